@@ -1,0 +1,117 @@
+"""Settings shared by the engine, the model and (later) the node server."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, read from an HF `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 always, Llama when attention_bias is set
+    o_bias: bool  # Llama's attention_bias covers o_proj too
+    qk_norm: bool  # Qwen3 normalises q and k per head
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        num_heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            qk_norm=model_type == "qwen3",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        return cls.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs: memory for the KV pool, batching limits, precision, threads."""
+
+    model: str | None = None  # HF dir or .gguf file; None = the embedded SmolLM2
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)
+    max_model_len: int | None = None  # None = the model's context length, capped at 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

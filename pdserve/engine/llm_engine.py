@@ -1,0 +1,127 @@
+"""The engine: requests in, one step at a time (schedule -> run the model -> update), outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.models.loader import load_model, resolve_model_dir
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        mc = self.model_config
+        self.eos_token_ids = mc.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+
+        bytes_per_block = config.block_size * mc.kv_bytes_per_token(config.torch_dtype)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None:
+            if config.max_model_len > mc.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's context length "
+                    f"{mc.max_position_embeddings}"
+                )
+            if config.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} does not fit the KV pool ({capacity} tokens); "
+                    "raise the KV cache memory or lower max_model_len"
+                )
+            self.max_model_len = config.max_model_len
+        else:
+            self.max_model_len = min(mc.max_position_embeddings, MAX_DEFAULT_MODEL_LEN, capacity)
+        # Without chunking a whole prompt must fit one step's budget.
+        self.max_num_batched_tokens = (
+            config.max_num_batched_tokens
+            if config.enable_chunked_prefill
+            else max(config.max_num_batched_tokens, self.max_model_len)
+        )
+
+        model = load_model(self.model_dir, config.torch_dtype, config.device, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill
+        )
+        self.model_runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            self.model_dir.name, config.dtype, num_blocks, config.block_size,
+            num_blocks * bytes_per_block / 2**20, self.max_model_len,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids; ValueError names what is wrong."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        token_ids = self.tokenize_prompt(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
+                "(one more position is needed for the first output token)"
+            )
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+            generator = torch.Generator(device=self.config.device).manual_seed(seed)
+        req = Request(
+            request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer),
+            self.eos_token_ids, self.max_model_len, generator,
+        )
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        sampled = self.model_runner.run(scheduled)
+        return self.scheduler.update_from_output(scheduled, sampled)

@@ -1,0 +1,77 @@
+"""Owns the model and its KV pool; turns a scheduled batch into one forward pass and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.llama import LayerHook, LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        # One contiguous pool: [layer, K/V, block, slot, kv_head, head_dim]. A block of one layer
+        # is a contiguous slice, which the KV transfer backends move as is.
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> dict[str, int]:
+        """Compute the scheduled tokens; return the sampled next token of each request that samples."""
+        if not out.scheduled:
+            return {}
+        # Decodes (one new token on top of a cached context) first: they share one batched SDPA.
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1 or s.request.num_computed_tokens == 0)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
+        samplers = [s for s in batch if s.samples]
+        if not samplers:
+            return {}
+        last_index, offset = [], 0
+        for s in batch:
+            offset += s.num_new_tokens
+            if s.samples:
+                last_index.append(offset - 1)
+        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+        tokens = sample(logits, [s.request.params for s in samplers], [s.request.generator for s in samplers])
+        return {s.request.request_id: t for s, t in zip(samplers, tokens)}
+
+    def _prepare(self, batch: list[ScheduledRequest]):
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for s in batch:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            ids.extend(req.token_ids[start : start + n])
+            p = torch.arange(start, start + n)
+            table = torch.tensor(req.block_ids)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1 and start > 0:
+                decode_tables.append(req.block_ids)
+                decode_lens.append(start + 1)
+            else:
+                first = len(ids) - n
+                cached = table.to(dev) if start > 0 else None
+                prefills.append(PrefillChunk(first, first + n, start + n, cached))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.num_decode_tokens = len(decode_tables)
+            meta.decode_block_tables = tables
+            meta.decode_mask = (torch.arange(width * bs, device=dev) < lens.unsqueeze(1))[:, None, None, :]
+        return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta

@@ -1,0 +1,139 @@
+"""A request's state inside the engine, and what the engine reports back for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # D node: blocks reserved, KV in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; recomputed from scratch when rescheduled
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # wall time of each output token
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the model sees
+        self.params = params
+        self.detokenizer = detokenizer
+        self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.max_model_len = max_model_len
+        self.generator = generator
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.num_published_blocks = 0  # leading blocks already in the prefix cache
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record a sampled token and finish the request if it hit a stop condition."""
+        self.token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+        self.detokenizer.add(token_id)
+        if token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.params.stop and self.detokenizer.truncate_at_stop(self.params.stop):
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at its end)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far (stop strings and special tokens removed)
+    new_token_ids: list[int]
+    text_delta: str  # text to stream now; a possible stop-string prefix is held back
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+    @classmethod
+    def of(cls, req: Request, new_token_ids: list[int]) -> "RequestOutput":
+        finished = req.status.finished
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=req.detokenizer.text,
+            new_token_ids=new_token_ids,
+            text_delta=req.detokenizer.take_delta(req.params.max_stop_len, finished),
+            finished=finished,
+            finish_reason=req.status.finish_reason,
+            metrics=req.metrics,
+        )

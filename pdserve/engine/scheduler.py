@@ -1,0 +1,145 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption by recompute.
+
+Every request is a number of tokens still to compute (prompt, or one new token while decoding).
+Each step the running requests are served first, oldest first, then waiting ones are admitted
+while the budget, `max_num_seqs` and free blocks allow. When blocks run out the newest running
+request is preempted: its blocks are freed and it is recomputed later from its tokens so far.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestOutput, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the request's known tokens, so a next token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+        if not out.preempted:  # admitting new work while evicting old would just thrash
+            self._admit_waiting(out, budget)
+        now = time.perf_counter()
+        for s in out.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.block_manager.match_prefix(req) if req.num_computed_tokens == 0 else []
+            remaining = req.num_tokens - req.num_computed_tokens - len(prefix) * self.block_manager.block_size
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            if not self.block_manager.allocate(req, n, prefix):
+                break
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.num_cached_tokens = len(prefix) * self.block_manager.block_size
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        """Advance the scheduled requests by what the model computed; finish the ones that stop."""
+        now = time.perf_counter()
+        outputs = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the prompt yet
+            req.append_token(token, now)
+            if req.status.finished:
+                self._finish(req)
+            outputs.append(RequestOutput.of(req, [token]))
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req)
+        return RequestOutput.of(req, [])
+
+    def _finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.block_manager.free(req)
+        del self.requests[req.request_id]

@@ -1,0 +1,53 @@
+"""Offline API: `LLM().generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion, in order; every one is validated first."""
+        batch = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        if params is None:
+            params = SamplingParams()
+        param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(batch):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(batch)} prompts")
+        for prompt in batch:  # reject bad input before any request is queued
+            self.engine.tokenize_prompt(prompt)
+        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(batch, param_list)]
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(prompt, params)[0]
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    return isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))

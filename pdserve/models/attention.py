@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache, for batches that mix decodes and prefill chunks.
+
+The KV pool of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), so a
+block is a contiguous slice: a transfer backend can move it without reshaping. New keys and
+values are scattered into their slots with one `index_copy_`; decodes are attended in one batched
+SDPA over block-table gathers; prefill chunks (few, long) get one SDPA each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens [start, end) of the batch are the query of one sequence's prefill chunk."""
+
+    start: int
+    end: int
+    context_len: int  # tokens of the sequence in the cache once this chunk is stored
+    block_table: torch.Tensor | None  # None: no earlier tokens cached, attend to the chunk only
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of a batch, shared by every layer. Decode tokens come first."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token in the pool
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Blocks of `cache` ([num_blocks, block_size, H, D]) listed in `block_table` as one run."""
+    gathered = cache[block_table]  # [..., n, block_size, H, D]
+    return gathered.flatten(-4, -3)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        keys = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, KVH, L, D]
+        values = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+        query = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        query = q[chunk.start : chunk.end].transpose(0, 1)  # [H, n, D]
+        if chunk.block_table is None:
+            keys = k[chunk.start : chunk.end].transpose(0, 1)
+            values = v[chunk.start : chunk.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            n, ctx = chunk.end - chunk.start, chunk.context_len
+            keys = _gather(k_cache, chunk.block_table)[:ctx].transpose(0, 1)
+            values = _gather(v_cache, chunk.block_table)[:ctx].transpose(0, 1)
+            # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal).
+            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[chunk.start : chunk.end] = o.transpose(0, 1)
+    return out

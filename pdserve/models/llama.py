@@ -1,0 +1,160 @@
+"""One configurable Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+Q, K, V are one fused projection and so are gate and up: fewer kernel launches per step, which
+is most of the decode cost for a small model on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.models.attention import AttentionMetadata, paged_attention
+
+# Called after each layer has written its KV (the hook for layer-wise KV push).
+LayerHook = Callable[[int], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then scale in the model dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | str | None = None) -> None:
+        """Fill the cos/sin tables in float32 (also after the model was built on the meta device)."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+        freqs = torch.outer(torch.arange(self.max_positions, device=device).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        after_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv_caches[i], meta)
+            if after_layer is not None:
+                after_layer(i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up into this model's projections."""
+        own: dict[str, torch.Tensor] = {}
+        for name, tensor in weights.items():
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            own[name] = tensor
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            for suffix in ("weight", "bias"):
+                parts = [own.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
+                if parts[0] is not None:
+                    own[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat(parts)
+                parts = [own.pop(f"{p}mlp.{n}_proj.{suffix}", None) for n in ("gate", "up")]
+                if parts[0] is not None:
+                    own[f"{p}mlp.gate_up_proj.{suffix}"] = torch.cat(parts)
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        if unexpected or missing:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
