@@ -73,5 +73,8 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, device=dev)
             meta.num_decode_tokens = len(decode_tables)
             meta.decode_block_tables = tables
-            meta.decode_mask = (torch.arange(width * bs, device=dev) < lens.unsqueeze(1))[:, None, None, :]
+            # Additive mask (0 / -inf) over the padded context, built once for all layers.
+            visible = torch.arange(width * bs, device=dev) < lens.unsqueeze(1)
+            mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev)
+            meta.decode_mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta

@@ -31,14 +31,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token in the pool
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_mask: torch.Tensor | None = None  # additive, [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Blocks of `cache` ([num_blocks, block_size, H, D]) listed in `block_table` as one run."""
-    gathered = cache[block_table]  # [..., n, block_size, H, D]
-    return gathered.flatten(-4, -3)
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """K and V of the blocks in `block_table` as one run each: [2, ..., n * block_size, KVH, D]."""
+    return kv_cache[:, block_table].flatten(-4, -3)
 
 
 def paged_attention(
@@ -57,8 +56,7 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        keys = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, KVH, L, D]
-        values = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+        keys, values = _gather(kv_cache, meta.decode_block_tables).transpose(2, 3)  # [B, KVH, L, D]
         query = q[:nd].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
@@ -74,8 +72,7 @@ def paged_attention(
             )
         else:
             n, ctx = chunk.end - chunk.start, chunk.context_len
-            keys = _gather(k_cache, chunk.block_table)[:ctx].transpose(0, 1)
-            values = _gather(v_cache, chunk.block_table)[:ctx].transpose(0, 1)
+            keys, values = _gather(kv_cache, chunk.block_table)[:, :ctx].transpose(1, 2)
             # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal).
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
             o = F.scaled_dot_product_attention(

@@ -71,4 +71,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     model = model.to_empty(device=device).to(dtype)
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
     model.rope.reset_tables(device)
+    model.pack_for_cpu()
     return model.eval()

@@ -1,0 +1,33 @@
+"""Shared fixtures: the real SmolLM2 model (converted once into the user cache) and its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.models.loader import default_gguf_path, resolve_model_dir
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_dir):
+    """transformers' own Llama implementation on the same converted weights, float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(smollm_dir):
+    from pdserve import LLM
+
+    return LLM(str(smollm_dir), dtype="float32", kv_cache_memory_gib=0.25)
