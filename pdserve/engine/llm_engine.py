@@ -78,27 +78,26 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt given as text or ids; ValueError names what is wrong."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(one more position is needed for the first output token)"
+            )
         return ids
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                "(one more position is needed for the first output token)"
-            )
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
