@@ -91,7 +91,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     block_size: int = 16
-    kv_cache_memory_gib: float = 1.0
+    kv_cache_memory_gib: float = 0.5
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)
     max_model_len: int | None = None  # None = the model's context length, capped at 8192
     max_num_seqs: int = 64

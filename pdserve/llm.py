@@ -19,6 +19,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        return cls(**config.__dict__)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

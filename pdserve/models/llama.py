@@ -26,6 +26,7 @@ class Linear(nn.Linear):
 
     def pack_for_cpu(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        self.weight = None  # the packed copy replaces it (a tied embedding keeps its own reference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
@@ -43,15 +44,17 @@ def can_pack_for_cpu(weight: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; its output is cast to the dtype of the projections it feeds."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.out_dtype: torch.dtype | None = None  # None: the input's dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; it accumulates in float32 (identical to the reference in float32,
-        # within one rounding of it in bfloat16).
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(self.out_dtype or x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -148,8 +151,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         after_layer: LayerHook | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rope.cos_sin(positions, x.dtype)
+        # The residual stream stays in float32 whatever the weights' dtype: it carries activations
+        # in the tens of thousands, where bfloat16 would round away the layers' contributions.
+        x = self.embed_tokens(input_ids).float()
+        rope = self.rope.cos_sin(positions, self.embed_tokens.weight.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_caches[i], meta)
             if after_layer is not None:
@@ -162,6 +167,14 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Weights in `dtype`, norms and the residual stream in float32."""
+        self.to(dtype)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.float()
+                module.out_dtype = dtype
 
     def pack_for_cpu(self) -> None:
         """Pre-pack every projection for oneDNN where that is faster (bf16 weights on a CPU)."""

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from pdserve.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
@@ -64,12 +64,18 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    for f in files:
-        weights.update(load_file(str(f)))
+    for f in files:  # one tensor at a time, cast at once: peak memory stays near one model copy
+        with safe_open(str(f), framework="pt") as reader:
+            for name in reader.keys():
+                tensor = reader.get_tensor(name)
+                # Matrices take the compute dtype now; vectors (norms, biases) keep their precision.
+                weights[name] = tensor.to(dtype) if tensor.dim() > 1 else tensor
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    model = model.to_empty(device=device)
+    model.set_compute_dtype(dtype)
+    model.load_hf_state_dict(weights)
+    del weights
     model.rope.reset_tables(device)
     model.pack_for_cpu()
     return model.eval()

@@ -1,0 +1,233 @@
+"""Engine benchmark: pdserve against transformers on SmolLM2, same threads and dtype, one run.
+
+    python -m pdserve.benchmarks.engine [--threads 1] [--dtypes float32 bfloat16] [--quick]
+
+Each (system, dtype) runs in a fresh subprocess so that memory figures are its own. Measures
+prefill tok/s (512-token prompt), decode tok/s at batch 1/8/32 (128-token prompts), offline
+throughput for 8 x 512 -> 128 and 1 x 2048 -> 64, KV bytes per token and RSS. Writes
+`docs/results/engine.json` and the engine table in `docs/benchmarks.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.benchmarks.report import update_section
+
+DECODE_BATCHES = (1, 8, 32)
+DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
+OFFLINE_SHAPES = ((8, 512, 128), (1, 2048, 64))
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, 40000, (n, length), generator=g).tolist()
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- pdserve ------------------------------------------------------------------------------------
+
+
+def bench_pdserve(dtype: str, quick: bool) -> dict:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(dtype=dtype)
+    result = {"rss_after_load_mib": rss_mib(), "kv_bytes_per_token": llm.engine.model_config.kv_bytes_per_token(
+        llm.engine.config.torch_dtype)}
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    llm.generate(random_prompts(2, 64, 0), greedy(4))  # warm up
+
+    prompt = random_prompts(1, 512, 1)
+    times = []
+    for _ in range(1 if quick else 3):
+        start = time.perf_counter()
+        llm.generate(prompt, greedy(1))
+        times.append(time.perf_counter() - start)
+        prompt = [[t + 1 for t in prompt[0]]]  # a new prompt: no prefix-cache hit
+    result["prefill_512_tok_s"] = 512 / min(times)
+
+    for batch in DECODE_BATCHES:
+        outs = llm.generate(random_prompts(batch, DECODE_PROMPT_LEN, 10 + batch), greedy(DECODE_STEPS + 1))
+        step = statistics.median(itl for o in outs for itl in o.metrics.inter_token_latencies)
+        result[f"decode_b{batch}_tok_s"] = batch / step
+        result[f"decode_b{batch}_step_ms"] = step * 1e3
+
+    for n, inp, outp in OFFLINE_SHAPES[:1] if quick else OFFLINE_SHAPES:
+        start = time.perf_counter()
+        llm.generate(random_prompts(n, inp, 100 + inp), greedy(outp))
+        elapsed = time.perf_counter() - start
+        result[f"offline_{n}x{inp}_{outp}_output_tok_s"] = n * outp / elapsed
+        result[f"offline_{n}x{inp}_{outp}_total_tok_s"] = n * (inp + outp) / elapsed
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+# -- transformers -------------------------------------------------------------------------------
+
+
+def bench_transformers(dtype: str, quick: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.models.loader import resolve_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype)).eval()
+    result = {"rss_after_load_mib": rss_mib()}
+
+    @torch.inference_mode()
+    def prefill_time(prompt):
+        start = time.perf_counter()
+        model(input_ids=torch.tensor(prompt), logits_to_keep=1)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def decode_step_time(prompts):
+        out = model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        steps = []
+        for _ in range(DECODE_STEPS):
+            start = time.perf_counter()
+            out = model(input_ids=token, cache=out.cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            steps.append(time.perf_counter() - start)
+        return statistics.median(steps)
+
+    @torch.inference_mode()
+    def generate_time(prompts, n):
+        start = time.perf_counter()
+        model.generate(torch.tensor(prompts), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+
+    prefill_time(random_prompts(1, 64, 0))  # warm up
+    prompt = random_prompts(1, 512, 1)
+    result["prefill_512_tok_s"] = 512 / min(prefill_time(prompt) for _ in range(1 if quick else 3))
+    for batch in DECODE_BATCHES:
+        step = decode_step_time(random_prompts(batch, DECODE_PROMPT_LEN, 10 + batch))
+        result[f"decode_b{batch}_tok_s"] = batch / step
+        result[f"decode_b{batch}_step_ms"] = step * 1e3
+    for n, inp, outp in OFFLINE_SHAPES[:1] if quick else OFFLINE_SHAPES:
+        elapsed = generate_time(random_prompts(n, inp, 100 + inp), outp)
+        result[f"offline_{n}x{inp}_{outp}_output_tok_s"] = n * outp / elapsed
+        result[f"offline_{n}x{inp}_{outp}_total_tok_s"] = n * (inp + outp) / elapsed
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+
+def run_one(system: str, dtype: str, threads: int, quick: bool) -> dict:
+    """Run one (system, dtype) in a subprocess pinned to `threads` torch threads."""
+    cmd = [sys.executable, "-m", "pdserve.benchmarks.engine", "--only", system, "--dtypes", dtype,
+           "--threads", str(threads)] + (["--quick"] if quick else [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    print(f"  running {system} {dtype} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+METRICS = [
+    ("prefill_512_tok_s", "prefill tok/s (512-token prompt)"),
+    ("decode_b1_tok_s", "decode tok/s, batch 1"),
+    ("decode_b8_tok_s", "decode tok/s, batch 8"),
+    ("decode_b32_tok_s", "decode tok/s, batch 32"),
+    ("offline_8x512_128_output_tok_s", "offline 8 x 512 -> 128, output tok/s"),
+    ("offline_8x512_128_total_tok_s", "offline 8 x 512 -> 128, total tok/s"),
+    ("offline_1x2048_64_output_tok_s", "offline 1 x 2048 -> 64, output tok/s"),
+    ("offline_1x2048_64_total_tok_s", "offline 1 x 2048 -> 64, total tok/s"),
+    ("peak_rss_mib", "peak RSS (MiB)"),
+]
+
+
+def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
+    cols = [(s, d) for d in dtypes for s in ("pdserve", "transformers")]
+    lines = [
+        f"Command: `python -m pdserve.benchmarks.engine --threads {threads}` "
+        f"({results['meta']['date']}, {results['meta']['cpu']}, {threads} thread(s), SmolLM2-135M-Instruct).",
+        "",
+        "| metric | " + " | ".join(f"{s} {d}" for s, d in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for key, label in METRICS:
+        cells = [results[s][d].get(key) for s, d in cols]
+        lines.append(f"| {label} | " + " | ".join("–" if c is None else f"{c:.0f}" for c in cells) + " |")
+    lines.append("")
+    for d in dtypes:
+        p, t = results["pdserve"][d], results["transformers"][d]
+        ratios = ", ".join(
+            f"{k.removesuffix('_tok_s')} {p[k] / t[k]:.2f}x" for k in ("prefill_512_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
+        )
+        lines.append(f"- pdserve / transformers, {d}: {ratios}")
+    if "float32" in dtypes:
+        t32 = results["transformers"]["float32"]
+        for d in dtypes:
+            p = results["pdserve"][d]
+            lines.append(
+                f"- pdserve {d} / transformers float32: decode b1 {p['decode_b1_tok_s'] / t32['decode_b1_tok_s']:.2f}x, "
+                f"decode b8 {p['decode_b8_tok_s'] / t32['decode_b8_tok_s']:.2f}x, "
+                f"prefill {p['prefill_512_tok_s'] / t32['prefill_512_tok_s']:.2f}x"
+            )
+    kv = {d: results["pdserve"][d]["kv_bytes_per_token"] for d in dtypes}
+    lines.append("- KV cache bytes per token: " + ", ".join(f"{d} {v / 1024:.1f} KiB" for d, v in kv.items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and shapes (a smoke run)")
+    parser.add_argument("--only", choices=["pdserve", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="docs/results/engine.json")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args()
+
+    if args.only:  # child process: one system, one dtype, JSON on the last stdout line
+        torch.set_num_threads(args.threads)
+        fn = bench_pdserve if args.only == "pdserve" else bench_transformers
+        print(json.dumps(fn(args.dtypes[0], args.quick)))
+        return
+
+    results: dict = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d"),
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+        },
+        "pdserve": {},
+        "transformers": {},
+    }
+    for dtype in args.dtypes:
+        for system in ("pdserve", "transformers"):
+            results[system][dtype] = run_one(system, dtype, args.threads, args.quick)
+    table = markdown(results, args.threads, args.dtypes)
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    if not args.no_docs:
+        update_section(Path("docs/benchmarks.md"), "engine", "Engine: pdserve vs transformers", table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB", help="KV pool size in GiB")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pdserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    prompt = args.prompt
+    if not args.raw:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    start = time.perf_counter()
+    out = llm.generate(prompt, params)[0]
+    elapsed = time.perf_counter() - start
+    print(out.text)
+    n = len(out.token_ids)
+    print(
+        f"\n[{n} tokens, finish_reason={out.finish_reason}, TTFT {out.metrics.ttft * 1e3:.0f} ms, "
+        f"{n / elapsed:.1f} tok/s overall]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with prefill/decode disaggregation")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="one-shot generation with the offline engine")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", default="What is the capital of France?")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
