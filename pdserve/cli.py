@@ -59,6 +59,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_model_name(model: str | None) -> str:
+    from pathlib import Path
+
+    from pdserve.models.loader import DEFAULT_MODEL_FILE
+
+    path = Path(model or DEFAULT_MODEL_FILE)
+    name = path.name if path.is_dir() else path.stem
+    return name.split(".")[0] if model is None else name
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.node.http import serve_app
+    from pdserve.node.server import NodeServer
+
+    start = time.perf_counter()
+    engine = LLMEngine(engine_config_from_args(args))
+    server = NodeServer(engine, args.served_model_name or default_model_name(args.model))
+    logging.getLogger("pdserve").info(
+        "node (role %s) loaded in %.1f s; serving %s on http://%s:%d",
+        args.role, time.perf_counter() - start, server.model_name, args.host, args.port,
+    )
+    # On SIGINT/SIGTERM uvicorn stops accepting, lets in-flight requests finish for up to
+    # --graceful-timeout seconds, then the lifespan hook aborts what is left and stops the engine.
+    serve_app(server.app, args.host, args.port, args.log_level, args.graceful_timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with prefill/decode disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run a node: an OpenAI-compatible server over one engine")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--role", default="both", choices=["both"], help="both = a colocated node")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--graceful-timeout", type=float, default=5.0, metavar="S")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class InvalidParameter(ValueError):
+    """A ValueError that names the offending request parameter (for HTTP 400 bodies)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -22,15 +30,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidParameter("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParameter("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidParameter("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise InvalidParameter("stop", "stop strings must not be empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.models.loader import load_model, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,14 @@ class LLMEngine:
         else:
             ids = list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidParameter("prompt", "prompt must not be empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            raise InvalidParameter("prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidParameter(
+                "prompt",
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                 "(one more position is needed for the first output token)"
             )

@@ -1,0 +1,142 @@
+"""Run the engine's step loop on its own thread and stream its outputs into asyncio.
+
+torch releases the GIL inside its kernels, so the HTTP event loop stays responsive while a step
+runs. Requests and aborts reach the loop thread through a queue; outputs come back to each
+request's asyncio.Queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stream:
+    """Delivers one request's outputs from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # called on the engine thread after every step (metrics)
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Abort whatever is left and stop the loop thread."""
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine loop is not running: {self._error!r}")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block=idle):
+                    break
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.put(out)
+                    if self.on_step is not None:
+                        self.on_step(outputs)
+        except BaseException as exc:  # the engine is broken: fail every waiting request
+            logger.exception("engine loop died")
+            self._error = exc
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"engine failed: {exc!r}"))
+        finally:
+            for request_id in list(self.engine.scheduler.requests):
+                self.engine.abort_request(request_id)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+                continue
+            stream = self._streams.get(cmd.request_id)
+            if stream is None:  # the client left before the request reached the engine
+                continue
+            try:
+                self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
+            except ValueError as exc:
+                stream.put(exc)

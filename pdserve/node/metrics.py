@@ -1,0 +1,61 @@
+"""Prometheus metrics of a node, named as vLLM users know them (with the `pdserve:` prefix)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class NodeMetrics:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "pdserve:time_per_output_token_seconds", "Mean time per output token after the first, per request",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between consecutive tokens", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to finish", buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
+        self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)
+        self.success = Counter("pdserve:request_success", "Finished requests", ["finish_reason"], registry=r)
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        Gauge("pdserve:num_requests_running", "Requests in the running batch", registry=r).set_function(
+            lambda: len(scheduler.running)
+        )
+        Gauge("pdserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r).set_function(
+            lambda: len(scheduler.waiting)
+        )
+        Gauge("pdserve:kv_blocks_used", "KV blocks in use", registry=r).set_function(lambda: blocks.num_used_blocks)
+        Gauge("pdserve:kv_blocks_total", "KV blocks in the pool", registry=r).set(blocks.num_blocks)
+
+    def observe_step(self, outputs: list[RequestOutput]) -> None:
+        """Called on the engine thread after each step."""
+        for out in outputs:
+            m = out.metrics
+            if out.new_token_ids:
+                self.generation_tokens.inc(len(out.new_token_ids))
+                if len(m.token_times) == 1:
+                    self.ttft.observe(m.ttft)
+                    self.prefill_tokens.inc(len(out.prompt_token_ids) - m.num_cached_tokens)
+                else:
+                    self.itl.observe(m.token_times[-1] - m.token_times[-2])
+            if out.finished:
+                self.observe_finished(out)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if out.finish_reason in ("stop", "length"):
+            self.success.labels(finish_reason=out.finish_reason).inc()
+        if m.token_times:
+            self.e2e.observe(m.token_times[-1] - m.arrival_time)
+        if len(m.token_times) > 1:
+            self.tpot.observe((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))

@@ -1,0 +1,230 @@
+"""The node's OpenAI-compatible HTTP server (FastAPI): completions, chat, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import RequestOutput
+from pdserve.node.async_engine import AsyncEngine, EngineDeadError
+from pdserve.node.metrics import NodeMetrics
+from pdserve.node.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    new_id,
+    now,
+)
+from pdserve.sampling_params import InvalidParameter, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+    err = APIError(status, message, param, type_)
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class NodeServer:
+    """Binds an engine to the HTTP API; `app` is the ASGI application."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = NodeMetrics(engine)
+        self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
+        self.app = self._build_app()
+
+    # -- app ----------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI):
+            self.async_engine.start()
+            yield
+            self.async_engine.stop()
+
+        app = FastAPI(title="pdserve node", lifespan=lifespan)
+
+        @app.exception_handler(APIError)
+        async def _api_error(_: Request, exc: APIError):
+            return error_response(exc.status, exc.message, exc.param, exc.type)
+
+        @app.exception_handler(InvalidParameter)
+        async def _invalid(_: Request, exc: InvalidParameter):
+            return error_response(400, str(exc), exc.param)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(_: Request, exc: RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            if first.get("type") == "json_invalid":
+                return error_response(400, f"malformed JSON body: {first.get('msg', '')}", None)
+            param = ".".join(loc) or None
+            return error_response(400, f"invalid request: {param}: {first.get('msg', 'invalid value')}", param)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(_: Request, exc: StarletteHTTPException):
+            return error_response(exc.status_code, str(exc.detail))
+
+        @app.exception_handler(EngineDeadError)
+        async def _dead(_: Request, exc: EngineDeadError):
+            return error_response(503, str(exc), type_="service_unavailable")
+
+        @app.get("/health")
+        async def health():
+            if not self.async_engine.healthy:
+                return error_response(503, "engine loop is not running", type_="service_unavailable")
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> ModelList:
+            return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)])
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, raw: Request):
+            self._check_model(body.model)
+            prompt_ids = self.engine.tokenize_prompt(body.single_prompt())
+            params = body.to_sampling_params(self._max_tokens(body, len(prompt_ids), "max_tokens"))
+            return await self._serve(raw, body, new_id("cmpl"), prompt_ids, params, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, raw: Request):
+            self._check_model(body.model)
+            messages = body.template_messages()
+            prompt = self.engine.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            prompt_ids = self.engine.tokenize_prompt(prompt)
+            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            params = body.to_sampling_params(self._max_tokens(body, len(prompt_ids), param), param)
+            return await self._serve(raw, body, new_id("chatcmpl"), prompt_ids, params, chat=True)
+
+        return app
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def _max_tokens(self, body, prompt_len: int, param: str) -> int:
+        requested = body.requested_max_tokens()
+        limit = self.engine.max_model_len
+        if requested is None:
+            return limit - prompt_len
+        if requested >= 1 and prompt_len + requested > limit:
+            raise InvalidParameter(
+                param,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion).",
+            )
+        return requested
+
+    async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool):
+        outputs = self.async_engine.generate(request_id, prompt_ids, params)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self._stream(outputs, request_id, chat, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        final = await self._collect(raw, outputs)
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return self._full_response(final, request_id, chat)
+
+    @staticmethod
+    async def _collect(raw: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        """The last output, or None if the client disconnected first (the request is aborted)."""
+
+        async def consume() -> RequestOutput | None:
+            last = None
+            async with aclosing(outputs):
+                async for out in outputs:
+                    last = out
+            return last
+
+        task = asyncio.ensure_future(consume())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                return None
+
+    def _usage(self, out: RequestOutput) -> dict[str, int]:
+        p, c = len(out.prompt_token_ids), len(out.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _full_response(self, out: RequestOutput, request_id: str, chat: bool) -> dict[str, Any]:
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                      "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        return {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": self._usage(out),
+        }
+
+    async def _stream(
+        self, outputs: AsyncIterator[RequestOutput], request_id: str, chat: bool, include_usage: bool
+    ) -> AsyncIterator[str]:
+        base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": now(), "model": self.model_name}
+
+        def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+            if chat:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {**base, "choices": [choice]}
+
+        last = None
+        try:
+            async with aclosing(outputs):
+                if chat:
+                    yield sse(chunk("", None, first=True))
+                async for out in outputs:
+                    last = out
+                    if out.text_delta or out.finished:
+                        yield sse(chunk(out.text_delta, out.finish_reason if out.finished else None))
+            if include_usage and last is not None:
+                yield sse({**base, "choices": [], "usage": self._usage(last)})
+        except (EngineDeadError, ValueError) as exc:
+            yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
+        yield sse("[DONE]")
