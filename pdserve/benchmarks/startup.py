@@ -1,0 +1,95 @@
+"""Node start-up time (weights already converted and cached) and idle RSS.
+
+    python -m pdserve.benchmarks.startup [--runs 3] [--dtype bfloat16]
+
+Starts `pdserve serve` on a free loopback port, times process start -> first 200 from /health,
+reads the idle process's RSS, stops it with SIGTERM. Writes `docs/results/startup.json` and a
+section of `docs/benchmarks.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.benchmarks.report import update_section
+from pdserve.models.loader import resolve_model_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def one_start(dtype: str) -> dict:
+    port = free_port()
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--dtype", dtype, "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited with {proc.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        ready_s = time.perf_counter() - start
+        time.sleep(1.0)
+        return {"startup_s": ready_s, "idle_rss_mib": rss_mib(proc.pid)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="docs/results/startup.json")
+    args = parser.parse_args()
+    resolve_model_dir(None)  # make sure the converted weights are cached before timing
+    runs = [one_start(args.dtype) for _ in range(args.runs)]
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": args.dtype,
+        "runs": runs,
+        "startup_s_median": statistics.median(r["startup_s"] for r in runs),
+        "idle_rss_mib_median": statistics.median(r["idle_rss_mib"] for r in runs),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    body = (
+        f"Command: `python -m pdserve.benchmarks.startup --runs {args.runs} --dtype {args.dtype}` ({result['date']}).\n\n"
+        f"| | median | runs |\n|---|---|---|\n"
+        f"| start-up to healthy, cached weights (s) | {result['startup_s_median']:.1f} | "
+        + ", ".join(f"{r['startup_s']:.1f}" for r in runs) + " |\n"
+        f"| idle RSS, default KV pool 0.5 GiB (MiB) | {result['idle_rss_mib_median']:.0f} | "
+        + ", ".join(f"{r['idle_rss_mib']:.0f}" for r in runs) + " |"
+    )
+    print(body)
+    update_section(Path("docs/benchmarks.md"), "startup", "Node start-up and idle memory", body)
+
+
+if __name__ == "__main__":
+    main()
