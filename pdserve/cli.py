@@ -22,9 +22,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from pdserve.config import EngineConfig
+    from pdserve.config import EngineConfig, KVTransferConfig
 
+    kv = KVTransferConfig(
+        role=getattr(args, "role", "both"),
+        host=getattr(args, "kv_host", "127.0.0.1"),
+        port=getattr(args, "kv_port", 0),
+        transport=getattr(args, "kv_transport", "auto"),
+        hold_timeout_s=getattr(args, "kv_hold_timeout", 60.0),
+        wait_timeout_s=getattr(args, "kv_wait_timeout", 30.0),
+        load_failure_policy=getattr(args, "kv_load_failure_policy", "recompute"),
+    )
     return EngineConfig(
+        kv_transfer=kv,
         model=args.model,
         dtype=args.dtype,
         threads=args.threads,
@@ -104,7 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--role", default="both", choices=["both"], help="both = a colocated node")
+    serve.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                       help="both = colocated; prefill = kv_producer (P); decode = kv_consumer (D)")
+    serve.add_argument("--kv-host", default="127.0.0.1", help="address of the KV side channel (P)")
+    serve.add_argument("--kv-port", type=int, default=0, help="port of the KV side channel (P); 0 = free port")
+    serve.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "shm"],
+                       help="how KV bytes move; auto = shm when P is on this host")
+    serve.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
+                       help="P frees KV that no D pulled within this many seconds")
+    serve.add_argument("--kv-wait-timeout", type=float, default=30.0, metavar="S",
+                       help="D gives up on a KV transfer after this many seconds")
+    serve.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                       help="D on a failed transfer: prefill locally, or answer an error")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--graceful-timeout", type=float, default=5.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

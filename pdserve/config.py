@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,40 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+KV_ROLES = {"both": None, "prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass
+class KVTransferConfig:
+    """How a node takes part in PD disaggregation (vLLM's kv_transfer_config, in short)."""
+
+    role: str = "both"  # both (colocated) | prefill (kv_producer) | decode (kv_consumer)
+    host: str = "127.0.0.1"  # the side channel (and tcp data) listens here
+    port: int = 0  # 0 = a free port
+    transport: str = "auto"  # auto | tcp | shm (auto: shm when P is on this host)
+    hold_timeout_s: float = 60.0  # P frees blocks nobody pulled after this
+    wait_timeout_s: float = 30.0  # D gives up on a transfer after this
+    load_failure_policy: str = "recompute"  # recompute (prefill locally) | fail (return an error)
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv role must be one of {sorted(KV_ROLES)}, got {self.role!r}")
+        if self.transport not in ("auto", "tcp", "shm"):
+            raise ValueError(f"kv transport must be auto, tcp or shm, got {self.transport!r}")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv load failure policy must be recompute or fail, got {self.load_failure_policy!r}")
+        if self.hold_timeout_s <= 0 or self.wait_timeout_s <= 0:
+            raise ValueError("kv hold and wait timeouts must be > 0")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role == "prefill"
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role == "decode"
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs: memory for the KV pool, batching limits, precision, threads."""
@@ -99,6 +133,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

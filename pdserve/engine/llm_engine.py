@@ -13,6 +13,10 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
+from pdserve.kv.pool import KVPool
+from pdserve.kv.pull import HeldBlocks
+from pdserve.kv.stats import KVStats
 from pdserve.models.loader import load_model, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -60,11 +64,27 @@ class LLMEngine:
         )
 
         model = load_model(self.model_dir, config.torch_dtype, config.device, self.max_model_len)
+        kv = config.kv_transfer
+        # A prefill node keeps its pool in shared memory so that a D on this host can copy from it.
+        self.pool = KVPool(
+            (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
+            config.torch_dtype, config.device, shared=kv.is_producer and kv.transport != "tcp",
+        )
+        self.engine_id = new_engine_id()
+        self.kv_stats = KVStats()
+        self.connector: KVConnectorScheduler | None = None
+        self.connector_worker: KVConnectorWorker | None = None
+        if kv.role != "both":
+            held = HeldBlocks(kv.hold_timeout_s)
+            self.connector = KVConnectorScheduler(kv, config.block_size, held, self.engine_id)
+            self.connector_worker = KVConnectorWorker(kv, held, self.kv_stats)
+            self.connector.advertised = self.connector_worker.register_kv_caches(self.pool)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill
+            self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
+            self.connector, self.kv_stats, kv.load_failure_policy,
         )
-        self.model_runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self.model_runner = ModelRunner(model, self.pool, config.device)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(
@@ -96,9 +116,17 @@ class LLMEngine:
         return ids
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
+        if kv_transfer_params is not None:
+            if self.connector is None:
+                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
+            self.connector.validate(kv_transfer_params, len(token_ids))
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -108,7 +136,7 @@ class LLMEngine:
             generator = torch.Generator(device=self.config.device).manual_seed(seed)
         req = Request(
             request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer),
-            self.eos_token_ids, self.max_model_len, generator,
+            self.eos_token_ids, self.max_model_len, generator, kv_transfer_params,
         )
         self.scheduler.add(req)
         return req
@@ -119,9 +147,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_runnable_requests(self) -> bool:
+        return self.scheduler.has_runnable()
+
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = []
+        if self.connector_worker is not None:
+            outputs = self.scheduler.update_kv_transfers(self.connector_worker.get_finished())
         scheduled = self.scheduler.schedule()
+        if self.connector_worker is not None:
+            self.connector_worker.start_load_kv(self.connector.build_connector_meta())
         sampled = self.model_runner.run(scheduled)
-        return self.scheduler.update_from_output(scheduled, sampled)
+        return outputs + self.scheduler.update_from_output(scheduled, sampled)
+
+    def close(self) -> None:
+        """Release the side channel and the shared-memory pool (a prefill node's)."""
+        if self.connector_worker is not None:
+            self.connector_worker.close()
+        self.pool.close()

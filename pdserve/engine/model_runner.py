@@ -6,21 +6,18 @@ import torch
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.kv.pool import KVPool
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.llama import LayerHook, LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str):
-        cfg = model.config
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str):
         self.model = model
-        self.block_size = block_size
+        self.pool = pool
+        self.block_size = pool.block_size
         self.device = torch.device(device)
-        # One contiguous pool: [layer, K/V, block, slot, kv_head, head_dim]. A block of one layer
-        # is a contiguous slice, which the KV transfer backends move as is.
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
-        )
+        self.kv_cache = pool.tensor
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     @torch.inference_mode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # wall time of each output token
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_remote_tokens: int = 0  # prompt tokens whose KV was loaded from a prefill node
+    kv_load_seconds: float = 0.0  # time spent waiting for remote KV
     num_preemptions: int = 0
 
     @property
@@ -62,6 +65,7 @@ class Request:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         generator: torch.Generator | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,6 +81,11 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        # PD disaggregation: what the proxy asked (kv_transfer_params in), what P answers (out).
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_out: dict[str, Any] | None = None
+        self.kv_external_tokens = 0  # D: tokens being loaded from P right now
+        self.error: str | None = None  # why the request failed, when it did
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,6 +131,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    kv_transfer_params: dict[str, Any] | None = None  # P: where D can pull this request's KV
+    error: str | None = None
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> "RequestOutput":
@@ -136,4 +147,6 @@ class RequestOutput:
             finished=finished,
             finish_reason=req.status.finish_reason,
             metrics=req.metrics,
+            kv_transfer_params=req.kv_transfer_params_out,
+            error=req.error,
         )

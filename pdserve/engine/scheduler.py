@@ -11,9 +11,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
+from pdserve.kv.params import wants_remote_prefill
+
+if TYPE_CHECKING:
+    from pdserve.kv.connector import FinishedTransfers, KVConnectorScheduler
+    from pdserve.kv.stats import KVStats
 
 
 @dataclass
@@ -45,21 +51,34 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
+        connector: KVConnectorScheduler | None = None,
+        kv_stats: KVStats | None = None,
+        load_failure_policy: str = "recompute",
     ) -> None:
         self.block_manager = block_manager
+        self.connector = connector
+        self.kv_stats = kv_stats
+        self.load_failure_policy = load_failure_policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # D: WAITING_FOR_REMOTE_KV, blocks reserved
+        self.held: dict[str, Request] = {}  # P: finished, blocks kept until a D pulls them
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests still owed an answer, or blocks still owed to a transfer."""
+        return bool(self.requests or self.held)
+
+    def has_runnable(self) -> bool:
+        """Work the model can do this step (as opposed to waiting on transfers)."""
+        return bool(self.running or self.waiting)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -90,6 +109,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             prefix = self.block_manager.match_prefix(req) if req.num_computed_tokens == 0 else []
+            if self.connector is not None and wants_remote_prefill(req.kv_transfer_params):
+                cached = req.num_computed_tokens + len(prefix) * self.block_manager.block_size
+                if not self._start_remote_load(req, prefix, self.connector.get_num_new_matched_tokens(req, cached)):
+                    break
+                continue
             remaining = req.num_tokens - req.num_computed_tokens - len(prefix) * self.block_manager.block_size
             if not self.enable_chunked_prefill and remaining > budget:
                 break
@@ -103,6 +127,55 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _start_remote_load(self, req: Request, prefix: list[int], external: int) -> bool:
+        """Reserve blocks for the remote tokens and park req until its KV has arrived."""
+        if not self.block_manager.allocate(req, external, prefix):
+            return False
+        req.metrics.num_cached_tokens = len(prefix) * self.block_manager.block_size
+        req.metrics.first_scheduled_time = time.perf_counter()
+        self.connector.update_state_after_alloc(req, external)
+        req.kv_external_tokens = external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting.popleft()
+        self.loading[req.request_id] = req
+        return True
+
+    def update_kv_transfers(self, finished: FinishedTransfers) -> list[RequestOutput]:
+        """Apply finished sends (P: free held blocks) and receives (D: resume or fail requests)."""
+        for request_id, expired in finished.sent:
+            req = self.held.pop(request_id, None)
+            if req is not None:
+                self.block_manager.free(req)
+            if expired and self.kv_stats is not None:
+                self.kv_stats.holds_expired += 1
+        outputs = []
+        now = time.perf_counter()
+        for result in finished.received:
+            req = self.loading.pop(result.request_id, None)
+            if req is None:
+                continue
+            req.metrics.kv_load_seconds = now - req.metrics.first_scheduled_time
+            req.kv_transfer_params = None  # loaded (or given up): never load twice
+            if req.status.finished:  # aborted while its blocks were being written: free them now
+                self.block_manager.free(req)
+                continue
+            if result.error is None:
+                req.num_computed_tokens += req.kv_external_tokens
+                req.metrics.num_remote_tokens = req.kv_external_tokens
+                if self.kv_stats is not None:
+                    self.kv_stats.remote_tokens += req.kv_external_tokens
+            elif self.load_failure_policy == "fail":
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.error = f"KV transfer from the prefill node failed: {result.error}"
+                self._finish(req)
+                outputs.append(RequestOutput.of(req, []))
+                continue
+            # Loaded, or recompute: continue from what is valid (the recompute prefills locally).
+            req.kv_external_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        return outputs
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -135,11 +208,21 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
-        self._finish(req)
+        if request_id in self.loading:
+            # A loader is writing into its blocks: they are freed when the load reports back.
+            del self.requests[request_id]
+        else:
+            self._finish(req)
         return RequestOutput.of(req, [])
 
     def _finish(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
-        self.block_manager.free(req)
+        keep_blocks = False
+        if self.connector is not None:
+            keep_blocks, req.kv_transfer_params_out = self.connector.request_finished(req)
+        if keep_blocks:
+            self.held[req.request_id] = req
+        else:
+            self.block_manager.free(req)
         del self.requests[req.request_id]

@@ -12,13 +12,16 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 1.0
+TRANSFER_POLL_S = 0.002
 
 
 class EngineDeadError(RuntimeError):
@@ -30,6 +33,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -72,14 +76,18 @@ class AsyncEngine:
         return self._thread.is_alive() and self._error is None
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it."""
         if not self.healthy:
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, params))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params))
         finished = False
         try:
             while True:
@@ -100,8 +108,12 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stopped.is_set():
-                idle = not self.engine.has_unfinished_requests()
-                if not self._drain_commands(block=idle):
+                # Block for new work when idle; poll briefly while only KV transfers are pending.
+                if self.engine.has_runnable_requests():
+                    wait = 0.0
+                else:
+                    wait = TRANSFER_POLL_S if self.engine.has_unfinished_requests() else IDLE_WAIT_S
+                if not self._drain_commands(wait):
                     break
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
@@ -119,15 +131,16 @@ class AsyncEngine:
         finally:
             for request_id in list(self.engine.scheduler.requests):
                 self.engine.abort_request(request_id)
+            self.engine.close()
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False once asked to stop."""
+    def _drain_commands(self, wait: float) -> bool:
+        """Apply queued adds and aborts, waiting up to `wait` s for the first; False once asked to stop."""
         while True:
             try:
-                cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+                cmd = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
             except queue.Empty:
                 return True
-            block = False
+            wait = 0.0
             if cmd is None:
                 return False
             if isinstance(cmd, _Abort):
@@ -137,6 +150,6 @@ class AsyncEngine:
             if stream is None:  # the client left before the request reached the engine
                 continue
             try:
-                self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
+                self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.kv_transfer_params)
             except ValueError as exc:
                 stream.put(exc)

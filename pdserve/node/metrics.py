@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
@@ -35,6 +37,14 @@ class NodeMetrics:
         )
         Gauge("pdserve:kv_blocks_used", "KV blocks in use", registry=r).set_function(lambda: blocks.num_used_blocks)
         Gauge("pdserve:kv_blocks_total", "KV blocks in the pool", registry=r).set(blocks.num_blocks)
+        Gauge("pdserve:kv_blocks_held", "KV blocks held for a decode node to pull", registry=r).set_function(
+            lambda: sum(len(req.block_ids) for req in list(scheduler.held.values()))
+        )
+        Gauge("pdserve:num_requests_waiting_for_remote_kv", "Requests waiting for KV from a prefill node",
+              registry=r).set_function(lambda: len(scheduler.loading))
+        self.kv_load = Histogram("pdserve:kv_load_seconds", "Wait for remote KV per request (decode node)",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_KVTransferCollector(engine))
 
     def observe_step(self, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after each step."""
@@ -44,7 +54,9 @@ class NodeMetrics:
                 self.generation_tokens.inc(len(out.new_token_ids))
                 if len(m.token_times) == 1:
                     self.ttft.observe(m.ttft)
-                    self.prefill_tokens.inc(len(out.prompt_token_ids) - m.num_cached_tokens)
+                    self.prefill_tokens.inc(len(out.prompt_token_ids) - m.num_cached_tokens - m.num_remote_tokens)
+                    if m.num_remote_tokens:
+                        self.kv_load.observe(m.kv_load_seconds)
                 else:
                     self.itl.observe(m.token_times[-1] - m.token_times[-2])
             if out.finished:
@@ -59,3 +71,26 @@ class NodeMetrics:
             self.e2e.observe(m.token_times[-1] - m.arrival_time)
         if len(m.token_times) > 1:
             self.tpot.observe((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))
+
+
+class _KVTransferCollector(Collector):
+    """Transfer counters kept by the connector's threads, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.stats = engine.kv_stats
+
+    def collect(self):
+        s = self.stats
+        nbytes = CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes moved", labels=["direction"])
+        nbytes.add_metric(["sent"], s.bytes_sent)
+        nbytes.add_metric(["received"], s.bytes_received)
+        seconds = CounterMetricFamily("pdserve:kv_transfer_seconds", "Time spent moving KV", labels=["direction"])
+        seconds.add_metric(["sent"], s.send_seconds)
+        seconds.add_metric(["received"], s.receive_seconds)
+        yield nbytes
+        yield seconds
+        yield CounterMetricFamily("pdserve:kv_transfers_failed", "KV loads that failed", value=s.transfers_failed)
+        yield CounterMetricFamily("pdserve:kv_hold_expired", "Held KV freed because no D pulled it in time",
+                                  value=s.holds_expired)
+        yield CounterMetricFamily("pdserve:kv_remote_prompt_tokens", "Prompt tokens whose KV came from a P",
+                                  value=s.remote_tokens)

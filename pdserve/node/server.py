@@ -48,6 +48,23 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     return JSONResponse(body, status_code=status)
 
 
+async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async with aclosing(rest):
+        yield first
+        if not first.finished:
+            async for out in rest:
+                yield out
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """An awaitable-iterator yielding only the final output (for _next_or_disconnect)."""
+    last = None
+    async with aclosing(outputs):
+        async for out in outputs:
+            last = out
+    yield last
+
+
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -151,34 +168,48 @@ class NodeServer:
         return requested
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool):
-        outputs = self.async_engine.generate(request_id, prompt_ids, params)
+        kv_params = body.kv_transfer_params
+        if kv_params is not None:
+            if self.engine.connector is None:
+                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
+            self.engine.connector.validate(kv_params, len(prompt_ids))
+        outputs = self.async_engine.generate(request_id, prompt_ids, params, kv_params)
+        # Wait for the first output before answering: a failed KV load still gets a proper HTTP
+        # error, and the stage timings can go into the response headers.
+        first = await self._next_or_disconnect(raw, outputs)
+        if first is None:
+            return Response(status_code=499)  # the client left; the request was aborted
+        if first.error is not None:
+            raise APIError(502, first.error, type_="kv_transfer_error")
+        m = first.metrics
+        headers = {
+            "x-pdserve-queue-ms": f"{((m.first_scheduled_time or m.arrival_time) - m.arrival_time) * 1e3:.3f}",
+            "x-pdserve-kv-load-ms": f"{m.kv_load_seconds * 1e3:.3f}",
+            "x-pdserve-ttft-ms": f"{(m.ttft or 0.0) * 1e3:.3f}",
+        }
+        outputs = _prepend(first, outputs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._stream(outputs, request_id, chat, include_usage)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        final = await self._collect(raw, outputs)
-        if final is None:  # the client went away; nobody reads this
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        final = first if first.finished else await self._next_or_disconnect(raw, _last(outputs))
+        if final is None:
             return Response(status_code=499)
-        return self._full_response(final, request_id, chat)
+        if final.error is not None:
+            raise APIError(502, final.error, type_="kv_transfer_error")
+        return JSONResponse(self._full_response(final, request_id, chat), headers=headers)
 
     @staticmethod
-    async def _collect(raw: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-        """The last output, or None if the client disconnected first (the request is aborted)."""
-
-        async def consume() -> RequestOutput | None:
-            last = None
-            async with aclosing(outputs):
-                async for out in outputs:
-                    last = out
-            return last
-
-        task = asyncio.ensure_future(consume())
+    async def _next_or_disconnect(raw: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        """The next output, or None if the client disconnected first (then the request is aborted)."""
+        task = asyncio.ensure_future(anext(outputs))
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return task.result()
             if await raw.is_disconnected():
                 task.cancel()
+                await outputs.aclose()
                 return None
 
     def _usage(self, out: RequestOutput) -> dict[str, int]:
@@ -186,6 +217,7 @@ class NodeServer:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _full_response(self, out: RequestOutput, request_id: str, chat: bool) -> dict[str, Any]:
+        extra = {"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params else {}
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                       "finish_reason": out.finish_reason}
@@ -198,6 +230,7 @@ class NodeServer:
             "model": self.model_name,
             "choices": [choice],
             "usage": self._usage(out),
+            **extra,
         }
 
     async def _stream(

@@ -1,0 +1,82 @@
+"""Typed control messages of the KV side channel, framed as length-prefixed msgpack.
+
+One TCP connection per transfer: D sends `PullRequest`; P answers `PullReply` (and, for the tcp
+transport, the block bytes right after it); D sends `PullDone` once the bytes are in place; P
+answers `Ack` after it has released its hold on the blocks.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgspec
+
+MAX_FRAME = 1 << 20  # control messages are small; anything larger is a protocol error
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """What two nodes must agree on to exchange blocks byte for byte."""
+
+    num_layers: int
+    block_size: int
+    block_bytes: int  # bytes of one block of one layer's K (or V)
+    dtype: str
+
+
+class PullRequest(msgspec.Struct, tag=True):
+    request_id: str  # P's request id (remote_request_id)
+    block_ids: list[int]  # P's block ids to read, in order
+    transport: str  # "tcp" or "shm"
+    layout: KVLayout
+
+
+class PullReply(msgspec.Struct, tag=True):
+    ok: bool
+    error: str | None = None
+    shm_name: str | None = None  # shm transport: P's pool to map
+    pool_num_blocks: int = 0
+
+
+class PullDone(msgspec.Struct, tag=True):
+    request_id: str
+    ok: bool = True
+
+
+class Ack(msgspec.Struct, tag=True):
+    ok: bool = True
+
+
+Message = PullRequest | PullReply | PullDone | Ack
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolError(ConnectionError):
+    pass
+
+
+def send_msg(sock: socket.socket, msg: Message) -> None:
+    payload = _encoder.encode(msg)
+    sock.sendall(struct.pack("!I", len(payload)) + payload)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ProtocolError("connection closed by peer")
+        got += k
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> Message:
+    (length,) = struct.unpack("!I", recv_exactly(sock, 4))
+    if length > MAX_FRAME:
+        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
+    try:
+        return _decoder.decode(recv_exactly(sock, length))
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad control message: {exc}") from exc
