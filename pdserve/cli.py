@@ -69,18 +69,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_model_name(model: str | None) -> str:
-    from pathlib import Path
-
-    from pdserve.models.loader import DEFAULT_MODEL_FILE
-
-    path = Path(model or DEFAULT_MODEL_FILE)
-    name = path.name if path.is_dir() else path.stem
-    return name.split(".")[0] if model is None else name
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.models.loader import default_model_name
     from pdserve.node.http import serve_app
     from pdserve.node.server import NodeServer
 
@@ -95,6 +86,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # --graceful-timeout seconds, then the lifespan hook aborts what is left and stops the engine.
     serve_app(server.app, args.host, args.port, args.log_level, args.graceful_timeout)
     return 0
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from pdserve.node.http import serve_app
+    from pdserve.proxy.app import Proxy, ProxyConfig
+
+    proxy = Proxy(ProxyConfig(args.prefill, args.decode, args.policy, args.mode))
+    logging.getLogger("pdserve").info(
+        "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
+        args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
+    )
+    serve_app(proxy.app, args.host, args.port, args.log_level)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.launcher import run_up
+
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode must be >= 1")
+    return run_up(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,11 +142,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-timeout", type=float, default=5.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+
+    proxy = sub.add_parser("proxy", help="run the PD proxy in front of prefill and decode nodes")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill node URLs")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode node URLs")
+    proxy.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    proxy.add_argument("--mode", default="pull", choices=["pull"])
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    proxy.set_defaults(func=cmd_proxy)
+
+    up = sub.add_parser("up", help="start proxy + prefill + decode nodes on this machine")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    up.add_argument("--mode", default="pull", choices=["pull"])
+    up.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--model", default=None)
+    up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    up.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB")
+    up.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "shm"])
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    up.set_defaults(func=cmd_up)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -33,6 +33,14 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
 
 
+def default_model_name(model: str | None) -> str:
+    """The name a node serves a model under: the directory or file name, or SmolLM2's."""
+    if model is None:
+        return DEFAULT_MODEL_FILE.split(".")[0]
+    path = Path(model)
+    return path.name if path.is_dir() else path.stem
+
+
 def cache_root() -> Path:
     from platformdirs import user_cache_dir
 

@@ -1,0 +1,171 @@
+"""`pdserve up`: P nodes, D nodes and the proxy as child processes on loopback, one core each.
+
+Every child gets PR_SET_PDEATHSIG, so it dies with this process even if it is killed outright;
+on Ctrl-C / SIGTERM all children are stopped (SIGTERM, then SIGKILL) before exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child_setup(core: int | None):
+    def setup() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+
+    return setup
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    url: str
+    core: int | None
+    role: str = ""
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.args], preexec_fn=_child_setup(self.core))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Cluster:
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, child: Child) -> None:
+        self.children.append(child)
+        child.start()
+
+    def wait_healthy(self, children: list[Child], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                if not child.alive():
+                    raise RuntimeError(f"{child.name} exited with status {child.proc.returncode} while starting")
+                try:
+                    if httpx.get(child.url + "/health", timeout=1.0).status_code == 200:
+                        pending.remove(child)
+                except httpx.HTTPError:
+                    pass
+            if pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {[c.name for c in pending]}")
+                time.sleep(0.2)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if not c.alive()), None)
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def plan_cores(num_nodes: int) -> list[int | None]:
+    """One core per node when the machine has enough (threads then set to 1); else no pinning."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= num_nodes:
+        return cores[:num_nodes]
+    return [None] * num_nodes
+
+
+def run_up(args) -> int:
+    from pdserve.models.loader import default_model_name, resolve_model_dir
+
+    # Convert the model once here, so that the nodes do not race to fill the cache.
+    model_dir = str(resolve_model_dir(args.model))
+    host = "127.0.0.1"
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    cores = plan_cores(len(roles))
+    node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
+                 "--kv-transport", args.kv_transport, "--log-level", args.log_level]
+    if args.max_model_len:
+        node_args += ["--max-model-len", str(args.max_model_len)]
+    nodes = []
+    for i, (role, core) in enumerate(zip(roles, cores)):
+        port = free_port(host)
+        threads = ["--threads", "1"] if core is not None else []
+        nodes.append(Child(f"{role}-{i}", ["serve", "--role", role, "--host", host, "--port", str(port),
+                                            *threads, *node_args], f"http://{host}:{port}", core, role))
+    cluster = Cluster()
+    stop_requested = False
+
+    def request_stop(signum, frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        for node in nodes:
+            cluster.start(node)
+        print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode node(s) "
+              f"(cores: {[c for c in cores]})", flush=True)
+        cluster.wait_healthy(nodes, args.startup_timeout)
+        proxy_args = ["proxy", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
+                      "--mode", args.mode, "--log-level", args.log_level,
+                      "--prefill", *[n.url for n in nodes if n.role == "prefill"],
+                      "--decode", *[n.url for n in nodes if n.role == "decode"]]
+        proxy = Child("proxy", proxy_args, f"http://{args.host}:{args.port}", None)
+        cluster.start(proxy)
+        cluster.wait_healthy([proxy], 60)
+        print_ready(proxy.url, args.mode)
+        while not stop_requested:
+            dead = cluster.dead_child()
+            if dead is not None:
+                print(f"pdserve up: {dead.name} exited with status {dead.proc.returncode}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+def print_ready(url: str, mode: str) -> None:
+    print(
+        f"\npdserve is ready ({mode} mode): {url}\n\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
+        f"\"max_tokens\": 64, \"temperature\": 0}}'\n\n"
+        "Ctrl-C stops every process.\n",
+        flush=True,
+    )

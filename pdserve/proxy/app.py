@@ -1,0 +1,250 @@
+"""The PD proxy: OpenAI API in front, a prefill node and a decode node behind each request.
+
+Pull flow (vLLM's NixlConnector / vllm-ascend's MooncakeConnector protocol):
+  1. client -> proxy: an ordinary completion or chat request.
+  2. proxy -> P (`select_prefiller`): same body, `max_tokens: 1`, not streamed,
+     `kv_transfer_params: {do_remote_decode: true}`. P prefills, holds the blocks and answers
+     with `kv_transfer_params` saying where they are.
+  3. proxy -> D (`select_decoder`): the original body plus P's `kv_transfer_params`. D pulls the
+     KV, decodes, and the proxy streams D's answer back chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.node.server import error_response
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, select_decoder, select_prefiller
+
+logger = logging.getLogger(__name__)
+
+PULL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Fields that only make sense for the streamed answer, not for P's one-token prefill request.
+_DECODE_ONLY_FIELDS = ("stream_options", "max_completion_tokens")
+
+
+@dataclass
+class ProxyConfig:
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    policy: str = "round_robin"
+    mode: str = "pull"
+    request_timeout_s: float = 600.0
+
+
+class NodeError(Exception):
+    """A node answered an error (or could not be reached); relayed with an OpenAI error body."""
+
+    def __init__(self, status: int, body: bytes | dict, node: str) -> None:
+        super().__init__(f"{node} answered {status}")
+        self.status, self.body, self.node = status, body, node
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    """A tokenizer-free load estimate: ~4 characters a token, plus the tokens asked for."""
+    if "messages" in body:
+        text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+    else:
+        prompt = body.get("prompt", "")
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+    return len(text) // 4 + (max_tokens if isinstance(max_tokens, int) else 256)
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
+        if not config.prefill_urls or not config.decode_urls:
+            raise ValueError("the proxy needs at least one --prefill and one --decode node")
+        self.config = config
+        self.prefillers = [Node(u.rstrip("/"), "prefill") for u in config.prefill_urls]
+        self.decoders = [Node(u.rstrip("/"), "decode") for u in config.decode_urls]
+        self.prefill_policy = POLICIES[config.policy]()
+        self.decode_policy = POLICIES[config.policy]()
+        self.metrics = ProxyMetrics(self.prefillers + self.decoders)
+        self.client: httpx.AsyncClient | None = None
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI):
+            timeout = httpx.Timeout(self.config.request_timeout_s, connect=10.0)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+                self.client = client
+                yield
+
+        app = FastAPI(title="pdserve proxy", lifespan=lifespan)
+
+        @app.exception_handler(NodeError)
+        async def _node_error(_: Request, exc: NodeError):
+            if isinstance(exc.body, dict):
+                return JSONResponse(exc.body, status_code=exc.status)
+            return Response(exc.body, status_code=exc.status, media_type="application/json")
+
+        @app.exception_handler(NoHealthyNode)
+        async def _no_node(_: Request, exc: NoHealthyNode):
+            return error_response(503, str(exc), type_="service_unavailable")
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "prefill": len(self.prefillers), "decode": len(self.decoders)}
+
+        @app.get("/v1/models")
+        async def models():
+            node = self.decoders[0]
+            response = await self.client.get(node.url + "/v1/models")
+            return Response(response.content, status_code=response.status_code, media_type="application/json")
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.post("/v1/completions")
+        async def completions(raw: Request):
+            return await self.handle(raw, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(raw: Request):
+            return await self.handle(raw, "/v1/chat/completions")
+
+        return app
+
+    # -- the flow -------------------------------------------------------------------------------
+
+    async def handle(self, raw: Request, path: str):
+        arrival = time.perf_counter()
+        try:
+            body = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"malformed JSON body: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
+        if "kv_transfer_params" in body:
+            return error_response(400, "kv_transfer_params is set by the proxy, not by clients", "kv_transfer_params")
+        for name in ("max_tokens", "max_completion_tokens"):  # caught here, before P holds any KV
+            value = body.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                return error_response(400, f"{name} must be an integer >= 1, got {value!r}", name)
+        tokens = estimate_tokens(body)
+        timing = RequestTiming(arrival)
+
+        prefiller = select_prefiller(self.prefillers, self.prefill_policy, tokens)
+        kv_params = await self._prefill(prefiller, path, body, tokens, timing)
+        decoder = select_decoder(self.decoders, self.decode_policy, tokens)
+        return await self._decode(decoder, path, {**body, "kv_transfer_params": kv_params}, tokens, timing)
+
+    async def _prefill(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming) -> dict:
+        p_body = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
+        p_body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PULL_PREFILL_PARAMS))
+        node.begin(tokens)
+        try:
+            response = await self._post(node, path, p_body)
+        finally:
+            node.end(tokens)
+        timing.prefill_done = time.perf_counter()
+        timing.node_queue_s = float(response.headers.get("x-pdserve-queue-ms", 0)) / 1e3
+        if response.status_code != 200:
+            raise NodeError(response.status_code, response.content, node.url)
+        kv_params = response.json().get("kv_transfer_params")
+        if not kv_params:
+            raise NodeError(502, _error_body(f"prefill node {node.url} returned no kv_transfer_params"), node.url)
+        return kv_params
+
+    async def _decode(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming):
+        node.begin(tokens)
+        request = self.client.build_request("POST", node.url + path, json=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            node.end(tokens)
+            raise NodeError(502, _error_body(f"decode node {node.url} unreachable: {exc}"), node.url) from exc
+        timing.transfer_s = float(response.headers.get("x-pdserve-kv-load-ms", 0)) / 1e3
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            node.end(tokens)
+            raise NodeError(response.status_code, content, node.url)
+        if not body.get("stream"):
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+                node.end(tokens)
+            timing.done = time.perf_counter()
+            self.metrics.observe(timing)
+            return Response(content, media_type="application/json")
+        return StreamingResponse(self._relay(response, node, tokens, timing), media_type="text/event-stream")
+
+    async def _relay(self, response: httpx.Response, node: Node, tokens: int, timing: RequestTiming) -> AsyncIterator[bytes]:
+        """D's SSE bytes, passed on as they come; closing either side closes the other."""
+        try:
+            async for chunk in response.aiter_raw():
+                if timing.first_byte is None:
+                    timing.first_byte = time.perf_counter()
+                yield chunk
+            timing.done = time.perf_counter()
+            self.metrics.observe(timing)
+        finally:
+            await response.aclose()
+            node.end(tokens)
+
+    async def _post(self, node: Node, path: str, body: dict) -> httpx.Response:
+        try:
+            return await self.client.post(node.url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise NodeError(502, _error_body(f"{node.role} node {node.url} unreachable: {exc}"), node.url) from exc
+
+
+@dataclass
+class RequestTiming:
+    """Where one request's time went, as the proxy sees it (plus what the nodes report)."""
+
+    arrival: float
+    prefill_done: float | None = None
+    node_queue_s: float = 0.0  # time in P's waiting queue (P's x-pdserve-queue-ms)
+    transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms)
+    first_byte: float | None = None
+    done: float | None = None
+
+
+def _error_body(message: str, status: int = 502) -> dict:
+    return {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
+
+
+async def wait_healthy(urls: list[str], timeout_s: float) -> None:
+    """Block until every URL's /health answers 200 (used by `pdserve up`)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        pending = set(urls)
+        while pending:
+            for url in list(pending):
+                try:
+                    if (await client.get(url + "/health")).status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+            if pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {sorted(pending)}")
+                await asyncio.sleep(0.2)

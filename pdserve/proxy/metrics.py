@@ -1,0 +1,41 @@
+"""Proxy-side metrics: TTFT as the client sees it and the per-stage split of each request."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.node.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
+
+if TYPE_CHECKING:
+    from pdserve.proxy.app import RequestTiming
+    from pdserve.proxy.policies import Node
+
+
+class ProxyMetrics:
+    def __init__(self, nodes: list[Node]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_proxy:time_to_first_token_seconds", "Arrival at the proxy to D's first byte",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_proxy:e2e_request_latency_seconds", "Arrival to last byte",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.stage = Histogram("pdserve_proxy:stage_seconds", "Time per stage: queue, prefill, transfer, decode",
+                               ["stage"], buckets=REQUEST_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_proxy:requests", "Requests relayed to the end", registry=r)
+        active = Gauge("pdserve_proxy:node_active_requests", "In-flight requests per node", ["node", "role"], registry=r)
+        for node in nodes:
+            active.labels(node=node.url, role=node.role).set_function(lambda n=node: n.active_requests)
+
+    def observe(self, t: RequestTiming) -> None:
+        if t.done is None:
+            return
+        self.requests.inc()
+        if t.first_byte is not None:  # streamed answers only: a plain answer has no first token
+            self.ttft.observe(t.first_byte - t.arrival)
+        self.e2e.observe(t.done - t.arrival)
+        prefill_end = t.prefill_done if t.prefill_done is not None else t.arrival
+        self.stage.labels(stage="queue").observe(t.node_queue_s)
+        self.stage.labels(stage="prefill").observe(max(prefill_end - t.arrival - t.node_queue_s, 0.0))
+        self.stage.labels(stage="transfer").observe(t.transfer_s)
+        self.stage.labels(stage="decode").observe(max(t.done - prefill_end - t.transfer_s, 0.0))

@@ -1,0 +1,66 @@
+"""Choosing nodes: `select_prefiller` and `select_decoder`, by round robin or by load."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Node:
+    url: str
+    role: str  # "prefill" | "decode" | "both"
+    healthy: bool = True
+    active_requests: int = 0
+    active_tokens: int = 0  # estimated prompt + generation tokens of requests in flight
+    kv_usage: float = 0.0  # fraction of the node's KV blocks in use (from its /metrics)
+    served: int = 0
+
+    def begin(self, tokens: int) -> None:
+        self.active_requests += 1
+        self.active_tokens += tokens
+
+    def end(self, tokens: int) -> None:
+        self.active_requests -= 1
+        self.active_tokens -= tokens
+        self.served += 1
+
+
+@dataclass
+class RoundRobin:
+    _counter: itertools.count = field(default_factory=itertools.count)
+
+    def choose(self, nodes: list[Node], tokens: int) -> Node:
+        return nodes[next(self._counter) % len(nodes)]
+
+
+@dataclass
+class LeastLoaded:
+    """Fewest in-flight tokens, with the node's KV usage weighed in (as vllm-ascend's proxy does)."""
+
+    kv_weight_tokens: int = 4096  # a full KV pool counts as this many in-flight tokens
+
+    def choose(self, nodes: list[Node], tokens: int) -> Node:
+        return min(nodes, key=lambda n: (n.active_tokens + self.kv_weight_tokens * n.kv_usage, n.active_requests))
+
+
+POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+
+
+class NoHealthyNode(RuntimeError):
+    pass
+
+
+def _select(nodes: list[Node], policy, tokens: int, role: str) -> Node:
+    candidates = [n for n in nodes if n.healthy]
+    if not candidates:
+        raise NoHealthyNode(f"no healthy {role} node")
+    return policy.choose(candidates, tokens)
+
+
+def select_prefiller(prefillers: list[Node], policy, tokens: int) -> Node:
+    return _select(prefillers, policy, tokens, "prefill")
+
+
+def select_decoder(decoders: list[Node], policy, tokens: int) -> Node:
+    return _select(decoders, policy, tokens, "decode")
