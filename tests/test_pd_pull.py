@@ -1,0 +1,217 @@
+"""PD disaggregation with pull, end to end: real P, D, colocated node and proxy processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from servers import free_port, metric, start_pdserve, wait_for_metric
+
+MODEL = "SmolLM2-135M-Instruct"
+NODE = ["--dtype", "float32", "--kv-cache-memory", "0.15"]
+
+
+def long_text() -> str:
+    return " ".join(f"Paragraph {i}: the quick brown fox number {i} jumps over lazy dog {i * 7}." for i in range(70))
+
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "Once upon a time, in a small village by the sea,",
+    "import numpy as np\n\ndef softmax(x):",
+    "The three primary colors are",
+    "A list of prime numbers: 2, 3, 5, 7,",
+    "Photosynthesis converts light energy into chemical energy. The process begins when",
+    "Q: What is the boiling point of water?\nA:",
+    long_text() + "\nSummary:",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    procs = {}
+    try:
+        procs["both"] = start_pdserve(["serve", "--role", "both", *NODE], tmp, "both")
+        procs["p"] = start_pdserve(["serve", "--role", "prefill", *NODE], tmp, "prefill")
+        procs["d_shm"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "shm", *NODE], tmp, "d_shm")
+        procs["d_tcp"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "tcp", *NODE], tmp, "d_tcp")
+        procs["proxy"] = start_pdserve(
+            ["proxy", "--prefill", procs["p"].url, "--decode", procs["d_shm"].url, procs["d_tcp"].url], tmp, "proxy"
+        )
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_greedy_outputs_through_proxy_equal_colocated_node(cluster):
+    reference = client(cluster["both"].url)
+    expected = [
+        reference.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0) for p in PROMPTS
+    ]
+    assert expected[-1].usage.prompt_tokens > 1000
+    proxy = client(cluster["proxy"].url)
+
+    def ask(i: int):
+        if i % 2:
+            chunks = list(proxy.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+            return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+        out = proxy.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0)
+        return out.choices[0].text, out.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(ask, range(len(PROMPTS))))
+    assert got == [(e.choices[0].text, e.usage.completion_tokens) for e in expected]
+
+    # Both transports carried KV (the proxy alternates between the shm and the tcp decoder).
+    for d in ("d_shm", "d_tcp"):
+        assert metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') > 0
+    assert metric(cluster["p"].url, "pdserve:kv_transfer_bytes_total", 'direction="sent"') > 0  # tcp bytes
+
+
+def test_chat_through_proxy(cluster):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client(cluster["proxy"].url).chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+    assert out.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_decode_nodes_never_prefill_and_blocks_return_to_zero(cluster):
+    proxy = client(cluster["proxy"].url)
+    before = {d: (metric(cluster[d].url, "pdserve:prefill_tokens_computed_total"),
+                  metric(cluster[d].url, "pdserve:kv_remote_prompt_tokens_total"),
+                  metric(cluster[d].url, "pdserve:request_success_total", 'finish_reason="length"'))
+              for d in ("d_shm", "d_tcp")}
+    prompt_tokens = 0
+    for p in PROMPTS[:4]:
+        out = proxy.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        prompt_tokens += out.usage.prompt_tokens
+    served = computed = remote = 0
+    for d, (c0, r0, s0) in before.items():
+        served += metric(cluster[d].url, "pdserve:request_success_total", 'finish_reason="length"') - s0
+        computed += metric(cluster[d].url, "pdserve:prefill_tokens_computed_total") - c0
+        remote += metric(cluster[d].url, "pdserve:kv_remote_prompt_tokens_total") - r0
+    assert served == 4
+    assert computed == 4  # D computes only the last prompt token of each request itself
+    assert remote == prompt_tokens - 4  # everything else came from P
+    for name in ("p", "d_shm", "d_tcp"):
+        assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
+        assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_held", 0) == 0
+
+
+def test_proxy_relays_node_errors_with_openai_body(cluster):
+    url = cluster["proxy"].url
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}})
+    assert r.status_code == 400
+    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [MODEL]
+
+
+def test_decode_node_rejects_bad_kv_transfer_params(cluster):
+    d = cluster["d_tcp"].url
+    r = httpx.post(d + "/v1/completions", json={"prompt": "hello world", "kv_transfer_params": {"do_remote_prefill": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    r = httpx.post(cluster["both"].url + "/v1/completions", json={"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("policy, status", [("recompute", 200), ("fail", 502)])
+def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
+    """P unreachable: recompute prefills locally (same answer); fail returns a clean 502."""
+    d = start_pdserve(["serve", "--role", "decode", "--kv-load-failure-policy", policy, "--kv-wait-timeout", "2", *NODE],
+                      tmp_path, f"d_{policy}")
+    try:
+        params = {"do_remote_prefill": True, "remote_block_ids": [0, 1], "remote_host": "127.0.0.1",
+                  "remote_port": free_port(), "remote_request_id": "gone", "remote_engine_id": "x"}
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        r = httpx.post(d.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+        assert r.status_code == status, r.text
+        if status == 200:
+            expected = httpx.post(cluster["both"].url + "/v1/completions", json=body, timeout=60).json()
+            assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+        else:
+            assert "KV transfer" in r.json()["error"]["message"]
+        assert metric(d.url, "pdserve:kv_transfers_failed_total") == 1
+        assert wait_for_metric(d.url, "pdserve:kv_blocks_used", 0) == 0
+    finally:
+        d.stop()
+
+
+def test_hold_timeout_frees_blocks_nobody_pulls(tmp_path):
+    p = start_pdserve(["serve", "--role", "prefill", "--kv-hold-timeout", "1", *NODE], tmp_path, "p_hold")
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True}}
+        out = httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()
+        held = len(out["kv_transfer_params"]["remote_block_ids"])
+        assert held > 0 and metric(p.url, "pdserve:kv_blocks_held") == held
+        assert wait_for_metric(p.url, "pdserve:kv_blocks_held", 0, timeout=5) == 0
+        assert metric(p.url, "pdserve:kv_hold_expired_total") == 1
+        assert metric(p.url, "pdserve:kv_blocks_used") == 0
+    finally:
+        p.stop()
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read().split()
+    return stat[2] != "Z"
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
+def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_signal):
+    port = free_port()
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--dtype", "float32",
+                           "--kv-cache-memory", "0.15"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert up.poll() is None, open(tmp_path / "up.log").read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        out = client(f"http://127.0.0.1:{port}").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0)
+        assert out.choices[0].message.content == "The capital of France is Paris."
+        kids = children_of(up.pid)
+        assert len(kids) == 3  # P, D, proxy
+        up.send_signal(stop_signal)
+        assert up.wait(30) == (0 if stop_signal == signal.SIGTERM else -signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [k for k in kids if alive(k)]
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for k in children_of(up.pid):
+            os.kill(k, signal.SIGKILL)
