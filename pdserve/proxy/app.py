@@ -38,6 +38,7 @@ PULL_PREFILL_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
+LOAD_POLL_S = 1.0
 # Fields that only make sense for the streamed answer, not for P's one-token prefill request.
 _DECODE_ONLY_FIELDS = ("stream_options", "max_completion_tokens")
 
@@ -92,7 +93,11 @@ class Proxy:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
             async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 self.client = client
-                yield
+                poller = asyncio.create_task(self._poll_node_load())
+                try:
+                    yield
+                finally:
+                    poller.cancel()
 
         app = FastAPI(title="pdserve proxy", lifespan=lifespan)
 
@@ -129,6 +134,19 @@ class Proxy:
             return await self.handle(raw, "/v1/chat/completions")
 
         return app
+
+    async def _poll_node_load(self) -> None:
+        """Keep each node's KV usage fresh for `least_loaded` (read from the node's /metrics)."""
+        while True:
+            for node in self.prefillers + self.decoders:
+                try:
+                    text = (await self.client.get(node.url + "/metrics", timeout=2.0)).text
+                except httpx.HTTPError:
+                    continue
+                used, total = _sample(text, "pdserve:kv_blocks_used"), _sample(text, "pdserve:kv_blocks_total")
+                if total:
+                    node.kv_usage = used / total
+            await asyncio.sleep(LOAD_POLL_S)
 
     # -- the flow -------------------------------------------------------------------------------
 
@@ -226,6 +244,14 @@ class RequestTiming:
     transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms)
     first_byte: float | None = None
     done: float | None = None
+
+
+def _sample(metrics_text: str, name: str) -> float:
+    """One unlabelled sample from a Prometheus text page (0 when absent)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def _error_body(message: str, status: int = 502) -> dict:
