@@ -92,7 +92,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from pdserve.node.http import serve_app
     from pdserve.proxy.app import Proxy, ProxyConfig
 
-    proxy = Proxy(ProxyConfig(args.prefill, args.decode, args.policy, args.mode))
+    meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
+    proxy = Proxy(ProxyConfig(args.prefill, args.decode, args.policy, args.mode, meta_url=meta_url))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -147,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill node URLs")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode node URLs")
     proxy.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
-    proxy.add_argument("--mode", default="pull", choices=["pull"])
+    proxy.add_argument("--mode", default="pull", choices=["pull", "push"],
+                       help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed")
+    proxy.add_argument("--meta-url", default=None,
+                       help="push: the URL decode nodes use to announce blocks (default: this proxy's /v1/kv/meta)")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
     proxy.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -156,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start proxy + prefill + decode nodes on this machine")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    up.add_argument("--mode", default="pull", choices=["pull"])
+    up.add_argument("--mode", default="pull", choices=["pull", "push"])
     up.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)

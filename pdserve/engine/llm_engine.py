@@ -65,10 +65,11 @@ class LLMEngine:
 
         model = load_model(self.model_dir, config.torch_dtype, config.device, self.max_model_len)
         kv = config.kv_transfer
-        # A prefill node keeps its pool in shared memory so that a D on this host can copy from it.
+        # P and D keep their pools in shared memory (unless tcp is forced), so that a peer on this
+        # host can copy blocks with one memcpy: D out of P's pool (pull), P into D's pool (push).
         self.pool = KVPool(
             (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
-            config.torch_dtype, config.device, shared=kv.is_producer and kv.transport != "tcp",
+            config.torch_dtype, config.device, shared=kv.role != "both" and kv.transport != "tcp",
         )
         self.engine_id = new_engine_id()
         self.kv_stats = KVStats()
@@ -153,13 +154,18 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
-        if self.connector_worker is not None:
-            outputs = self.scheduler.update_kv_transfers(self.connector_worker.get_finished())
+        worker = self.connector_worker
+        if worker is None:
+            scheduled = self.scheduler.schedule()
+            return self.scheduler.update_from_output(scheduled, self.model_runner.run(scheduled))
+        outputs = self.scheduler.update_kv_transfers(worker.get_finished())
         scheduled = self.scheduler.schedule()
-        if self.connector_worker is not None:
-            self.connector_worker.start_load_kv(self.connector.build_connector_meta())
-        sampled = self.model_runner.run(scheduled)
+        meta = self.connector.build_connector_meta(scheduled.scheduled)
+        worker.start_load_kv(meta, self.connector.advertised)
+        # Push: each layer goes to D as soon as it is computed; the step ends once all are sent.
+        sampled = self.model_runner.run(scheduled, after_layer=worker.save_kv_layer if meta.saves else None)
+        if meta.saves:
+            worker.wait_for_save()
         return outputs + self.scheduler.update_from_output(scheduled, sampled)
 
     def close(self) -> None:

@@ -85,6 +85,8 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.kv_transfer_params_out: dict[str, Any] | None = None
         self.kv_external_tokens = 0  # D: tokens being loaded from P right now
+        self.kv_push_target = None  # P, push mode: where this request's layers go
+        self.kv_push_next_block = 0  # P, push mode: first block not yet fully pushed
         self.error: str | None = None  # why the request failed, when it did
 
     @property

@@ -74,7 +74,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Requests still owed an answer, or blocks still owed to a transfer."""
-        return bool(self.requests or self.held)
+        return bool(self.requests or self.held or self.loading or (self.connector and self.connector.has_pending()))
 
     def has_runnable(self) -> bool:
         """Work the model can do this step (as opposed to waiting on transfers)."""
@@ -143,13 +143,18 @@ class Scheduler:
 
     def update_kv_transfers(self, finished: FinishedTransfers) -> list[RequestOutput]:
         """Apply finished sends (P: free held blocks) and receives (D: resume or fail requests)."""
+        outputs = []
+        for request_id, error in finished.push_failed:  # P: the decode node is gone or refused
+            req = self.requests.get(request_id)
+            if req is not None:
+                req.error = f"pushing KV to the decode node failed: {error}"
+                outputs.append(self.abort(request_id))
         for request_id, expired in finished.sent:
             req = self.held.pop(request_id, None)
             if req is not None:
                 self.block_manager.free(req)
             if expired and self.kv_stats is not None:
                 self.kv_stats.holds_expired += 1
-        outputs = []
         now = time.perf_counter()
         for result in finished.received:
             req = self.loading.pop(result.request_id, None)
@@ -211,6 +216,7 @@ class Scheduler:
         if request_id in self.loading:
             # A loader is writing into its blocks: they are freed when the load reports back.
             del self.requests[request_id]
+            self.connector.request_aborted(req)
         else:
             self._finish(req)
         return RequestOutput.of(req, [])

@@ -11,37 +11,61 @@ channel server; D: the loader), starts loads, and reports finished sends and rec
 
 from __future__ import annotations
 
+import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request
-from pdserve.kv.params import wants_remote_decode, wants_remote_prefill
+from pdserve.kv.params import is_push, wants_remote_decode, wants_remote_prefill
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadResult, LoadSpec
+from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
 from pdserve.sampling_params import InvalidParameter
 
-REQUIRED_REMOTE_FIELDS = {
-    "remote_block_ids": list,
-    "remote_host": str,
-    "remote_port": int,
-    "remote_request_id": str,
+logger = logging.getLogger(__name__)
+
+# kv_transfer_params fields a node needs, by (mode, side): {name: type}
+REQUIRED_FIELDS = {
+    ("pull", "decode"): {"remote_block_ids": list, "remote_host": str, "remote_port": int, "remote_request_id": str},
+    ("push", "decode"): {"metaserver": str, "proxy_request_id": str},
+    ("push", "prefill"): {"remote_block_ids": list, "remote_host": str, "remote_port": int, "remote_request_id": str,
+                          "remote_first_block": int},
 }
+
+
+@dataclass
+class ExpectSpec:
+    """D, push mode: blocks reserved for a push, and the proxy to tell where to push."""
+
+    request_id: str
+    block_ids: list[int]  # D's blocks for the prompt (all, from block 0)
+    first_block: int  # blocks before this one are D's own prefix-cache hits
+    metaserver: str
+    proxy_request_id: str
 
 
 @dataclass
 class ConnectorMetadata:
     """What the scheduler side asks the worker side to do this step."""
 
-    loads: list[LoadSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)  # D, pull: start these loads
+    expects: list[ExpectSpec] = field(default_factory=list)  # D, push: announce these
+    cancels: list[str] = field(default_factory=list)  # D: requests aborted while waiting for KV
+    saves: list[SaveSpec] = field(default_factory=list)  # P, push: layers to push this step
+    push_aborts: list[str] = field(default_factory=list)  # P, push: requests that ended early
 
 
 @dataclass
 class FinishedTransfers:
     sent: list[tuple[str, bool]] = field(default_factory=list)  # P: (request id, hold expired)
-    received: list[LoadResult] = field(default_factory=list)  # D: loads that ended (ok or not)
+    received: list[LoadResult] = field(default_factory=list)  # D: loads / pushes that ended
+    push_failed: list[tuple[str, str]] = field(default_factory=list)  # P: (request id, why)
 
 
 class KVConnectorScheduler:
@@ -50,25 +74,40 @@ class KVConnectorScheduler:
         self.block_size = block_size
         self.held = held
         self.engine_id = engine_id
-        self.advertised: dict[str, Any] = {}  # host / port / shm name of this P's side channel
+        self.advertised: dict[str, Any] = {}  # host / port / shm name of this node's side channel
         self._pending: list[LoadSpec] = []
+        self._expects: list[ExpectSpec] = []
+        self._cancels: list[str] = []
+        self._push_aborts: list[str] = []
 
     def validate(self, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
         """Reject kv_transfer_params this node cannot act on (HTTP 400 upstream)."""
+        mode = "push" if is_push(params) else "pull"
         if wants_remote_prefill(params):
             if not self.config.is_consumer:
                 raise InvalidParameter("kv_transfer_params", "do_remote_prefill needs a decode node (--role decode)")
-            for name, kind in REQUIRED_REMOTE_FIELDS.items():
-                if not isinstance(params.get(name), kind) or isinstance(params.get(name), bool):
-                    raise InvalidParameter("kv_transfer_params", f"kv_transfer_params.{name} must be a {kind.__name__}")
-            blocks = params["remote_block_ids"]
-            needed = -(-max(num_prompt_tokens - 1, 0) // self.block_size)
-            if len(blocks) < needed or not all(isinstance(b, int) and b >= 0 for b in blocks):
-                raise InvalidParameter(
-                    "kv_transfer_params", f"remote_block_ids must list {needed} block ids for this prompt"
-                )
-        if wants_remote_decode(params) and not self.config.is_producer:
-            raise InvalidParameter("kv_transfer_params", "do_remote_decode needs a prefill node (--role prefill)")
+            self._require(params, REQUIRED_FIELDS[(mode, "decode")])
+            if mode == "pull":
+                self._require_blocks(params, num_prompt_tokens)
+        if wants_remote_decode(params):
+            if not self.config.is_producer:
+                raise InvalidParameter("kv_transfer_params", "do_remote_decode needs a prefill node (--role prefill)")
+            if mode == "push":
+                self._require(params, REQUIRED_FIELDS[(mode, "prefill")])
+                self._require_blocks(params, num_prompt_tokens)
+
+    @staticmethod
+    def _require(params: dict[str, Any], fields: dict[str, type]) -> None:
+        for name, kind in fields.items():
+            value = params.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise InvalidParameter("kv_transfer_params", f"kv_transfer_params.{name} must be a {kind.__name__}")
+
+    def _require_blocks(self, params: dict[str, Any], num_prompt_tokens: int) -> None:
+        blocks = params["remote_block_ids"]
+        needed = -(-max(num_prompt_tokens - 1, 0) // self.block_size)
+        if len(blocks) < needed or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+            raise InvalidParameter("kv_transfer_params", f"remote_block_ids must list {needed} block ids for this prompt")
 
     # -- D: loads -------------------------------------------------------------------------------
 
@@ -83,10 +122,14 @@ class KVConnectorScheduler:
         return max(req.num_prompt_tokens - 1 - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
-        """Record the blocks just reserved for req's remote tokens as a load to start."""
+        """Record the blocks just reserved for req's remote tokens: a load (pull) or a push to expect."""
         params, bs = req.kv_transfer_params, self.block_size
         first = req.num_computed_tokens // bs
         last = -(-(req.num_computed_tokens + num_external_tokens) // bs)
+        if is_push(params):
+            self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params["metaserver"],
+                                            params["proxy_request_id"]))
+            return
         remote_blocks = params["remote_block_ids"]
         self._pending.append(
             LoadSpec(
@@ -100,9 +143,47 @@ class KVConnectorScheduler:
             )
         )
 
-    def build_connector_meta(self) -> ConnectorMetadata:
-        meta, self._pending = ConnectorMetadata(loads=self._pending), []
+    def request_aborted(self, req: Request) -> None:
+        """D: the request was aborted while waiting for KV; P: a pushing request ended early."""
+        if wants_remote_prefill(req.kv_transfer_params):
+            self._cancels.append(req.request_id)
+        elif wants_remote_decode(req.kv_transfer_params) and is_push(req.kv_transfer_params):
+            self._push_aborts.append(req.request_id)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending or self._expects or self._cancels or self._push_aborts)
+
+    def build_connector_meta(self, scheduled: list | None = None) -> ConnectorMetadata:
+        meta = ConnectorMetadata(self._pending, self._expects, self._cancels,
+                                 self._saves(scheduled or []), self._push_aborts)
+        self._pending, self._expects, self._cancels, self._push_aborts = [], [], [], []
         return meta
+
+    def _saves(self, scheduled: list) -> list[SaveSpec]:
+        """P, push: which blocks each pushing request writes this step (layer by layer)."""
+        saves, bs = [], self.block_size
+        for s in scheduled:
+            req, params = s.request, s.request.kv_transfer_params
+            if not (wants_remote_decode(params) and is_push(params)):
+                continue
+            n = req.num_prompt_tokens
+            end = req.num_computed_tokens + s.num_new_tokens
+            if req.num_computed_tokens >= n:
+                continue  # decoding on P: nothing more to push
+            if req.kv_push_target is None:
+                req.kv_push_target = PushTarget(params["remote_request_id"], params["remote_block_ids"],
+                                                params["remote_first_block"], params["remote_host"],
+                                                params["remote_port"], params.get("remote_shm_name"))
+                req.kv_push_next_block = params["remote_first_block"]
+            # D needs the KV of tokens [0, n - 1); the last, partly filled block is sent again
+            # with the next chunk, so that every chunk's tokens land.
+            useful_end = min(end, n - 1)
+            first, last = req.kv_push_next_block, -(-useful_end // bs)
+            src = req.block_ids[first:last] if last > first else []
+            dst = req.kv_push_target.block_ids[first:last] if last > first else []
+            req.kv_push_next_block = max(first, useful_end // bs)
+            saves.append(SaveSpec(req.request_id, req.kv_push_target, src, dst, last=end >= n))
+        return saves
 
     # -- P: holds -------------------------------------------------------------------------------
 
@@ -110,6 +191,10 @@ class KVConnectorScheduler:
         """(keep the blocks for a D, kv_transfer_params for the proxy) for a finished request."""
         if not (self.config.is_producer and wants_remote_decode(req.kv_transfer_params)):
             return False, None
+        if is_push(req.kv_transfer_params):
+            if req.status.finish_reason not in ("stop", "length"):
+                self._push_aborts.append(req.request_id)
+            return False, None  # pushed during the forward pass: nothing to hold
         if req.status.finish_reason not in ("stop", "length"):
             return False, None  # aborted: nobody will pull
         blocks = req.block_ids[: -(-req.num_prompt_tokens // self.block_size)]
@@ -131,32 +216,75 @@ class KVConnectorWorker:
         self.held = held
         self.stats = stats
         self.sender: KVSender | None = None
+        self.pusher: PushSender | None = None
         self.receiver: KVReceiver | None = None
+        self.push_receiver: PushReceiver | None = None
+        self._announcer = ThreadPoolExecutor(2, thread_name_prefix="kv-announce")
 
     def register_kv_caches(self, pool: KVPool) -> dict[str, Any]:
-        """Attach the pool to the backend; returns what P advertises to D (address, shm name)."""
-        if self.config.is_producer:
-            self.sender = KVSender(pool, self.held, self.stats, self.config.host, self.config.port)
+        """Attach the pool to the backends; returns this node's side channel address."""
+        kv = self.config
+        if kv.is_producer:
+            self.sender = KVSender(pool, self.held, self.stats, kv.host, kv.port)
+            self.pusher = PushSender(pool, self.stats, kv.transport, kv.wait_timeout_s)
             return {"remote_host": self.sender.host, "remote_port": self.sender.port, "remote_shm_name": pool.shm_name}
-        if self.config.is_consumer:
-            self.receiver = KVReceiver(pool, self.stats, self.config.transport, self.config.wait_timeout_s)
+        if kv.is_consumer:
+            self.receiver = KVReceiver(pool, self.stats, kv.transport, kv.wait_timeout_s)
+            self.push_receiver = PushReceiver(pool, self.stats, kv.host, kv.port, self.receiver.results,
+                                              kv.wait_timeout_s)
+            return {"remote_host": self.push_receiver.host, "remote_port": self.push_receiver.port,
+                    "remote_shm_name": pool.shm_name}
         return {}
 
-    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+    def start_load_kv(self, meta: ConnectorMetadata, advertised: dict[str, Any]) -> None:
         for spec in meta.loads:
             self.receiver.start(spec)
+        for rid in meta.cancels:
+            self.push_receiver.cancel(rid)
+        for spec in meta.expects:
+            self.push_receiver.expect(spec.request_id, spec.block_ids[spec.first_block:], self.config.wait_timeout_s)
+            self._announcer.submit(self._announce, spec, advertised)
+        for rid in meta.push_aborts:
+            self.pusher.abort(rid)
+        if self.pusher is not None:
+            self.pusher.begin_step(meta.saves)
+
+    def _announce(self, spec: ExpectSpec, advertised: dict[str, Any]) -> None:
+        """Tell the proxy's meta endpoint where P should push (D's request, blocks, address)."""
+        body = {
+            "proxy_request_id": spec.proxy_request_id,
+            "remote_request_id": spec.request_id,
+            "remote_block_ids": spec.block_ids,
+            "remote_first_block": spec.first_block,
+            **advertised,
+        }
+        try:
+            response = httpx.post(spec.metaserver, json=body, timeout=self.config.wait_timeout_s)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.warning("announcing %s to %s failed: %s", spec.request_id, spec.metaserver, exc)
+            self.push_receiver.cancel(spec.request_id, f"could not reach the proxy's meta endpoint: {exc}")
+
+    def save_kv_layer(self, layer: int) -> None:
+        self.pusher.save_kv_layer(layer)
+
+    def wait_for_save(self) -> None:
+        self.pusher.wait_for_save()
 
     def get_finished(self) -> FinishedTransfers:
+        if self.push_receiver is not None:
+            self.push_receiver.expire()
         return FinishedTransfers(
             sent=self.held.pop_releasable() if self.sender else [],
             received=self.receiver.poll() if self.receiver else [],
+            push_failed=self.pusher.failed_requests() if self.pusher else [],
         )
 
     def close(self) -> None:
-        if self.sender:
-            self.sender.close()
-        if self.receiver:
-            self.receiver.close()
+        self._announcer.shutdown(wait=False, cancel_futures=True)
+        for part in (self.sender, self.pusher, self.receiver, self.push_receiver):
+            if part is not None:
+                part.close()
 
 
 def new_engine_id() -> str:

@@ -13,3 +13,8 @@ def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     """P: this request is decoded elsewhere; keep its KV for the decode node."""
     return bool(params and params.get("do_remote_decode"))
+
+
+def is_push(params: dict[str, Any] | None) -> bool:
+    """Layer-wise push (P writes into D's blocks) rather than pull (D reads P's)."""
+    return bool(params and params.get("kv_mode") == "push")

@@ -56,13 +56,13 @@ class KVPool:
             raise RuntimeError("KV transfer needs a CPU KV pool")
         return memoryview(self.tensor.view(-1).view(torch.uint8).numpy())
 
-    def segments(self, block_ids: list[int]) -> list[tuple[int, int]]:
+    def segments(self, block_ids: list[int], layers: range | None = None) -> list[tuple[int, int]]:
         """(offset, length) of the bytes of `block_ids`, in canonical (layer, K/V, block) order."""
         bb, nb = self.block_bytes, self.num_blocks
         runs = block_runs(block_ids)
         return [
             (((layer * 2 + kv) * nb + first) * bb, count * bb)
-            for layer in range(self.num_layers)
+            for layer in (layers if layers is not None else range(self.num_layers))
             for kv in (0, 1)
             for first, count in runs
         ]
@@ -90,17 +90,7 @@ class RemotePool:
 
     def copy_blocks(self, src_ids: list[int], dst: KVPool, dst_ids: list[int]) -> int:
         """Copy blocks src_ids (here) into dst_ids (local pool); returns bytes copied."""
-        src, out = self.tensor, dst.tensor
-        # Align source and destination runs: walk both lists in step and copy maximal common runs.
-        copied, i, n = 0, 0, len(src_ids)
-        while i < n:
-            j = i + 1
-            while j < n and src_ids[j] == src_ids[j - 1] + 1 and dst_ids[j] == dst_ids[j - 1] + 1:
-                j += 1
-            out[:, :, dst_ids[i] : dst_ids[i] + (j - i)].copy_(src[:, :, src_ids[i] : src_ids[i] + (j - i)])
-            copied += (j - i)
-            i = j
-        return copied * 2 * dst.num_layers * dst.block_bytes
+        return copy_block_runs(self.tensor, src_ids, dst.tensor, dst_ids)
 
     def close(self) -> None:
         del self.tensor
@@ -108,3 +98,17 @@ class RemotePool:
             self.shm.close()
         except BufferError:
             pass
+
+
+def copy_block_runs(src: torch.Tensor, src_ids: list[int], out: torch.Tensor, dst_ids: list[int]) -> int:
+    """Copy blocks along dim 2 of [layers, 2, blocks, ...] tensors, one copy per common run."""
+    # Align source and destination runs: walk both lists in step and copy maximal common runs.
+    copied, i, n = 0, 0, len(src_ids)
+    while i < n:
+        j = i + 1
+        while j < n and src_ids[j] == src_ids[j - 1] + 1 and dst_ids[j] == dst_ids[j - 1] + 1:
+            j += 1
+        out[:, :, dst_ids[i] : dst_ids[i] + (j - i)].copy_(src[:, :, src_ids[i] : src_ids[i] + (j - i)])
+        copied += j - i
+        i = j
+    return copied * out[:, :, 0].numel() * out.element_size()

@@ -1,8 +1,13 @@
 """Typed control messages of the KV side channel, framed as length-prefixed msgpack.
 
-One TCP connection per transfer: D sends `PullRequest`; P answers `PullReply` (and, for the tcp
-transport, the block bytes right after it); D sends `PullDone` once the bytes are in place; P
+Pull, one TCP connection per transfer: D sends `PullRequest`; P answers `PullReply` (and, for the
+tcp transport, the block bytes right after it); D sends `PullDone` once the bytes are in place; P
 answers `Ack` after it has released its hold on the blocks.
+
+Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then one `PushLayer`
+per layer and chunk (tcp: bytes follow; shm: P has already copied into D's shared pool); then
+`PushDone`, which D acknowledges once the request is marked as arrived. D cancels by sending
+`Ack(ok=False)` at any time, which P sees before its next layer.
 """
 
 from __future__ import annotations
@@ -45,9 +50,33 @@ class PullDone(msgspec.Struct, tag=True):
 
 class Ack(msgspec.Struct, tag=True):
     ok: bool = True
+    error: str | None = None
+    pool_num_blocks: int = 0  # D accepting a push: the size of its pool (an shm pusher maps it)
 
 
-Message = PullRequest | PullReply | PullDone | Ack
+class PushBegin(msgspec.Struct, tag=True):
+    """P -> D: a push session for D's request (D answers Ack, or Ack(ok=False) to refuse)."""
+
+    request_id: str  # D's request id
+    transport: str  # "tcp" or "shm"
+    layout: KVLayout
+
+
+class PushLayer(msgspec.Struct, tag=True):
+    """P -> D: one layer's K and V of `block_ids` (D's ids); for tcp the bytes follow."""
+
+    layer: int
+    block_ids: list[int]
+
+
+class PushDone(msgspec.Struct, tag=True):
+    """P -> D: every layer of the prompt has been written (ok), or the push was abandoned."""
+
+    ok: bool = True
+    error: str | None = None
+
+
+Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayer | PushDone
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

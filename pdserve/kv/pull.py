@@ -86,7 +86,7 @@ class HeldBlocks:
             return sum(len(h.block_ids) for h in self._holds.values())
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
@@ -162,7 +162,7 @@ class KVSender:
     def _serve(self, conn: socket.socket, addr) -> None:
         with conn:
             try:
-                _tune(conn)
+                tune_socket(conn)
                 msg = recv_msg(conn)
                 if not isinstance(msg, PullRequest):
                     raise ProtocolError(f"expected PullRequest, got {type(msg).__name__}")
@@ -268,7 +268,7 @@ class KVReceiver:
 
     def _pull(self, spec: LoadSpec, transport: str) -> int:
         with socket.create_connection((spec.remote_host, spec.remote_port), timeout=self.timeout_s) as sock:
-            _tune(sock)
+            tune_socket(sock)
             send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport, self.pool.layout))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:

@@ -209,6 +209,7 @@ class NodeServer:
                 return task.result()
             if await raw.is_disconnected():
                 task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # let the generator stop first
                 await outputs.aclose()
                 return None
 

@@ -7,6 +7,13 @@ Pull flow (vLLM's NixlConnector / vllm-ascend's MooncakeConnector protocol):
      with `kv_transfer_params` saying where they are.
   3. proxy -> D (`select_decoder`): the original body plus P's `kv_transfer_params`. D pulls the
      KV, decodes, and the proxy streams D's answer back chunk by chunk.
+
+Push flow (vllm-ascend's MooncakeLayerwiseConnector):
+  1. proxy -> D first: `kv_transfer_params: {do_remote_prefill: true, kv_mode: push, metaserver,
+     proxy_request_id}`. D reserves blocks and POSTs them to this proxy's `/v1/kv/meta`.
+  2. proxy -> P: `max_tokens: 1`, `{do_remote_decode: true, kv_mode: push}` plus D's blocks and
+     address. P pushes each layer's KV to D as soon as it is computed, then ends the push.
+  3. D decodes; the proxy streams D's answer as in pull.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -48,8 +56,10 @@ class ProxyConfig:
     prefill_urls: list[str]
     decode_urls: list[str]
     policy: str = "round_robin"
-    mode: str = "pull"
+    mode: str = "pull"  # pull | push
     request_timeout_s: float = 600.0
+    meta_url: str = ""  # push: where decode nodes announce their blocks (this proxy's /v1/kv/meta)
+    meta_timeout_s: float = 30.0
 
 
 class NodeError(Exception):
@@ -77,6 +87,11 @@ class Proxy:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
         if not config.prefill_urls or not config.decode_urls:
             raise ValueError("the proxy needs at least one --prefill and one --decode node")
+        if config.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be pull or push, got {config.mode!r}")
+        if config.mode == "push" and not config.meta_url:
+            raise ValueError("push mode needs the URL of this proxy's meta endpoint")
+        self._announcements: dict[str, asyncio.Future] = {}  # push: proxy request id -> D's blocks
         self.config = config
         self.prefillers = [Node(u.rstrip("/"), "prefill") for u in config.prefill_urls]
         self.decoders = [Node(u.rstrip("/"), "decode") for u in config.decode_urls]
@@ -125,6 +140,19 @@ class Proxy:
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+        @app.post("/v1/kv/meta")
+        async def kv_meta(raw: Request):
+            """Push mode: a decode node says where P should write a request's KV."""
+            try:
+                body = json.loads(await raw.body())
+                future = self._announcements.get(body["proxy_request_id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return error_response(400, "expected a JSON object with proxy_request_id")
+            if future is None or future.done():
+                return error_response(404, "no request is waiting for this announcement", "proxy_request_id")
+            future.set_result(body)
+            return {"status": "ok"}
+
         @app.post("/v1/completions")
         async def completions(raw: Request):
             return await self.handle(raw, "/v1/completions")
@@ -166,15 +194,55 @@ class Proxy:
                 return error_response(400, f"{name} must be an integer >= 1, got {value!r}", name)
         tokens = estimate_tokens(body)
         timing = RequestTiming(arrival)
+        if self.config.mode == "push":
+            return await self._push_flow(path, body, tokens, timing)
 
         prefiller = select_prefiller(self.prefillers, self.prefill_policy, tokens)
-        kv_params = await self._prefill(prefiller, path, body, tokens, timing)
+        kv_params = await self._prefill(prefiller, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS))
         decoder = select_decoder(self.decoders, self.decode_policy, tokens)
-        return await self._decode(decoder, path, {**body, "kv_transfer_params": kv_params}, tokens, timing)
+        request = self.client.build_request("POST", decoder.url + path, json={**body, "kv_transfer_params": kv_params})
+        decoder.begin(tokens)
+        return await self._decode(decoder, asyncio.ensure_future(self._send(decoder, request)), body, tokens, timing)
 
-    async def _prefill(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming) -> dict:
+    async def _push_flow(self, path: str, body: dict, tokens: int, timing: RequestTiming):
+        """Push: D first (it reserves blocks and announces them), then P, which pushes layer by layer."""
+        proxy_request_id = uuid.uuid4().hex
+        announced = asyncio.get_running_loop().create_future()
+        self._announcements[proxy_request_id] = announced
+        decoder = select_decoder(self.decoders, self.decode_policy, tokens)
+        d_params = {"do_remote_prefill": True, "kv_mode": "push", "metaserver": self.config.meta_url,
+                    "proxy_request_id": proxy_request_id}
+        request = self.client.build_request("POST", decoder.url + path, json={**body, "kv_transfer_params": d_params})
+        decoder.begin(tokens)
+        d_answer = asyncio.ensure_future(self._send(decoder, request))
+        try:
+            done, _ = await asyncio.wait({announced, d_answer}, timeout=self.config.meta_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if announced not in done:  # D answered (an error) or never announced: P is not involved
+                return await self._decode(decoder, d_answer, body, tokens, timing, timeout=True)
+            meta = announced.result()
+            p_params = {"do_remote_decode": True, "kv_mode": "push", **{k: v for k, v in meta.items() if k.startswith("remote_")}}
+            prefiller = select_prefiller(self.prefillers, self.prefill_policy, tokens)
+            try:
+                await self._prefill(prefiller, path, body, tokens, timing, p_params)
+            except BaseException:
+                await _discard(d_answer)  # closing our D request aborts it there, and frees its blocks
+                decoder.end(tokens)
+                raise
+            return await self._decode(decoder, d_answer, body, tokens, timing)
+        finally:
+            self._announcements.pop(proxy_request_id, None)
+
+    async def _send(self, node: Node, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise NodeError(502, _error_body(f"decode node {node.url} unreachable: {exc}"), node.url) from exc
+
+    async def _prefill(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming,
+                       kv_params: dict) -> dict | None:
         p_body = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
-        p_body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PULL_PREFILL_PARAMS))
+        p_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
         node.begin(tokens)
         try:
             response = await self._post(node, path, p_body)
@@ -184,19 +252,26 @@ class Proxy:
         timing.node_queue_s = float(response.headers.get("x-pdserve-queue-ms", 0)) / 1e3
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
-        kv_params = response.json().get("kv_transfer_params")
-        if not kv_params:
+        returned = response.json().get("kv_transfer_params")
+        if kv_params.get("kv_mode") == "push":
+            return None  # P pushed during its forward pass
+        if not returned:
             raise NodeError(502, _error_body(f"prefill node {node.url} returned no kv_transfer_params"), node.url)
-        return kv_params
+        return returned
 
-    async def _decode(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming):
-        node.begin(tokens)
-        request = self.client.build_request("POST", node.url + path, json=body)
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+    async def _decode(self, node: Node, answer: asyncio.Future, body: dict, tokens: int, timing: RequestTiming,
+                      timeout: bool = False):
+        """Relay D's answer (already requested; `node.begin` already counted it)."""
+        if timeout and not answer.done():
+            await _discard(answer)
             node.end(tokens)
-            raise NodeError(502, _error_body(f"decode node {node.url} unreachable: {exc}"), node.url) from exc
+            raise NodeError(504, _error_body(f"decode node {node.url} did not announce its KV blocks in time", 504),
+                            node.url)
+        try:
+            response = await answer
+        except BaseException:
+            node.end(tokens)
+            raise
         timing.transfer_s = float(response.headers.get("x-pdserve-kv-load-ms", 0)) / 1e3
         if response.status_code != 200:
             content = await response.aread()
@@ -244,6 +319,14 @@ class RequestTiming:
     transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms)
     first_byte: float | None = None
     done: float | None = None
+
+
+async def _discard(answer: asyncio.Future) -> None:
+    """Drop a pending or received D answer, closing its connection (D then aborts the request)."""
+    if not answer.done():
+        answer.cancel()
+    elif not answer.cancelled() and answer.exception() is None:
+        await answer.result().aclose()
 
 
 def _sample(metrics_text: str, name: str) -> float:

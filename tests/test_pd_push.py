@@ -1,0 +1,113 @@
+"""Layer-wise push end to end: push = pull = colocated, blocks back to zero, and its failures."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from servers import free_port, metric, start_pdserve, wait_for_metric
+from test_pd_pull import MODEL, NODE, PROMPTS, client
+
+LONG_PROMPT = " ".join(f"Item {i}: a sentence about the number {i} and its square {i * i}." for i in range(150))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("push")
+    procs = {}
+    try:
+        procs["both"] = start_pdserve(["serve", "--role", "both", *NODE], tmp, "both")
+        # Chunked prefill on P (256-token steps): a long prompt is pushed across several steps.
+        procs["p"] = start_pdserve(["serve", "--role", "prefill", "--max-num-batched-tokens", "256", *NODE], tmp, "p")
+        procs["d_shm"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "shm", *NODE], tmp, "d_shm")
+        procs["d_tcp"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "tcp", *NODE], tmp, "d_tcp")
+        decoders = [procs["d_shm"].url, procs["d_tcp"].url]
+        procs["push"] = start_pdserve(["proxy", "--mode", "push", "--prefill", procs["p"].url, "--decode", *decoders],
+                                      tmp, "proxy_push")
+        procs["pull"] = start_pdserve(["proxy", "--mode", "pull", "--prefill", procs["p"].url, "--decode", *decoders],
+                                      tmp, "proxy_pull")
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def ask(url: str, prompt: str, stream: bool, max_tokens: int = 24) -> tuple[str, int]:
+    c = client(url)
+    if stream:
+        chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].text, out.usage.completion_tokens
+
+
+def test_push_equals_pull_equals_colocated(cluster):
+    prompts = PROMPTS + [LONG_PROMPT]
+    colocated = [ask(cluster["both"].url, p, False) for p in prompts]
+    r = httpx.post(cluster["both"].url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] > 2000
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        push = list(pool.map(lambda i: ask(cluster["push"].url, prompts[i], bool(i % 2)), range(len(prompts))))
+        pull = list(pool.map(lambda i: ask(cluster["pull"].url, prompts[i], not i % 2), range(len(prompts))))
+    assert push == colocated
+    assert pull == colocated
+    for name in ("p", "d_shm", "d_tcp"):
+        assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
+        assert metric(cluster[name].url, "pdserve:kv_blocks_held") == 0
+
+
+def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):
+    before = {d: metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') for d in ("d_shm", "d_tcp")}
+    for p in PROMPTS[:2]:
+        ask(cluster["push"].url, p, True, max_tokens=4)
+    for d in ("d_shm", "d_tcp"):
+        assert metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') > before[d]
+    assert metric(cluster["p"].url, "pdserve:kv_blocks_held") == 0
+    assert metric(cluster["p"].url, "pdserve:kv_blocks_used") == 0
+
+
+def test_client_gone_mid_push_frees_blocks_on_both_sides(cluster):
+    """The client leaves while P is still prefilling (and pushing) a long prompt."""
+    fresh = " ".join(f"Line {i}: a different text about the cube of {i}, {i ** 3}." for i in range(80))  # no cache hits
+    body = {"model": MODEL, "prompt": fresh, "max_tokens": 50, "temperature": 0, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", cluster["push"].url + "/v1/completions", json=body, timeout=0.8) as r:
+            for _ in r.iter_lines():
+                pass
+    for name in ("p", "d_shm", "d_tcp"):
+        assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0, timeout=20) == 0
+    assert ask(cluster["push"].url, PROMPTS[0], False) == ask(cluster["both"].url, PROMPTS[0], False)
+
+
+@pytest.mark.parametrize("policy, status", [("recompute", 200), ("fail", 502)])
+def test_no_push_arrives_then_policy_applies(tmp_path, cluster, policy, status):
+    """D waits for a push that never comes (the P side is gone): after --kv-wait-timeout it either
+    prefills locally or answers a clean error; nothing hangs and no block leaks."""
+    d = start_pdserve(["serve", "--role", "decode", "--kv-wait-timeout", "2", "--kv-load-failure-policy", policy, *NODE],
+                      tmp_path, f"d_{policy}")
+    meta = start_pdserve(["proxy", "--mode", "push", "--prefill", f"http://127.0.0.1:{free_port()}", "--decode", d.url],
+                         tmp_path, f"proxy_{policy}")
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+        start = time.monotonic()
+        r = httpx.post(meta.url + "/v1/completions", json=body, timeout=60)
+        # The proxy cannot reach the (dead) P: it answers 502 and closes D's request at once.
+        assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+        assert wait_for_metric(d.url, "pdserve:kv_blocks_used", 0, timeout=10) == 0
+        # D on its own, told to expect a push nobody sends (as if P died before its first layer).
+        params = {"do_remote_prefill": True, "kv_mode": "push", "metaserver": meta.url + "/v1/kv/meta",
+                  "proxy_request_id": "nobody-waits"}
+        start = time.monotonic()
+        r = httpx.post(d.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+        assert r.status_code == status, r.text
+        assert time.monotonic() - start < 15
+        if status == 200:
+            assert r.json()["choices"][0]["text"] == ask(cluster["both"].url, PROMPTS[1], False, 12)[0]
+        assert wait_for_metric(d.url, "pdserve:kv_blocks_used", 0) == 0
+    finally:
+        meta.stop()
+        d.stop()
