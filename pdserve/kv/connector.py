@@ -220,6 +220,7 @@ class KVConnectorWorker:
         self.receiver: KVReceiver | None = None
         self.push_receiver: PushReceiver | None = None
         self._announcer = ThreadPoolExecutor(2, thread_name_prefix="kv-announce")
+        self._http = httpx.Client(timeout=config.wait_timeout_s)  # keep-alive to the proxy
 
     def register_kv_caches(self, pool: KVPool) -> dict[str, Any]:
         """Attach the pool to the backends; returns this node's side channel address."""
@@ -259,7 +260,7 @@ class KVConnectorWorker:
             **advertised,
         }
         try:
-            response = httpx.post(spec.metaserver, json=body, timeout=self.config.wait_timeout_s)
+            response = self._http.post(spec.metaserver, json=body)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             logger.warning("announcing %s to %s failed: %s", spec.request_id, spec.metaserver, exc)
@@ -282,6 +283,7 @@ class KVConnectorWorker:
 
     def close(self) -> None:
         self._announcer.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
         for part in (self.sender, self.pusher, self.receiver, self.push_receiver):
             if part is not None:
                 part.close()

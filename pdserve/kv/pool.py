@@ -16,6 +16,18 @@ import torch
 from pdserve.kv.protocol import KVLayout
 
 
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def prefault(shm: shared_memory.SharedMemory) -> None:
+    """Map every page of a shared pool now, not on first touch during a transfer (a page fault per
+    4 KiB otherwise lands in the middle of a prefill or a push)."""
+    try:
+        shm._mmap.madvise(MADV_POPULATE_WRITE)  # noqa: SLF001
+    except (AttributeError, OSError, ValueError):
+        pass  # older kernels: pages are faulted in lazily
+
+
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """Consecutive ids merged into (first, count) runs: fewer, larger copies."""
     runs: list[tuple[int, int]] = []
@@ -36,6 +48,7 @@ class KVPool:
         if shared and torch.device(device).type == "cpu":
             # A fresh shared-memory file is zero-filled, like torch.zeros below.
             self.shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"pdserve-kv-{uuid.uuid4().hex[:16]}")
+            prefault(self.shm)
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
@@ -85,6 +98,7 @@ class RemotePool:
         self.shm = shared_memory.SharedMemory(name=name, create=False)
         # Only the creator may unlink it: stop this process's tracker from doing so at exit.
         resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
+        prefault(self.shm)
         count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=count).view(dtype).view(shape)
 

@@ -4,9 +4,10 @@ Pull, one TCP connection per transfer: D sends `PullRequest`; P answers `PullRep
 tcp transport, the block bytes right after it); D sends `PullDone` once the bytes are in place; P
 answers `Ack` after it has released its hold on the blocks.
 
-Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then one `PushLayer`
-per layer and chunk (tcp: bytes follow; shm: P has already copied into D's shared pool); then
-`PushDone`, which D acknowledges once the request is marked as arrived. D cancels by sending
+Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then, for tcp, one
+`PushLayer` per layer and chunk with the bytes right after it (for shm P copies each layer into
+D's shared pool directly); then `PushDone`, which D acknowledges once the request is marked as
+arrived. D cancels by sending
 `Ack(ok=False)` at any time, which P sees before its next layer.
 """
 
@@ -74,6 +75,7 @@ class PushDone(msgspec.Struct, tag=True):
 
     ok: bool = True
     error: str | None = None
+    nbytes: int = 0  # bytes written into D's pool (shm pushes send no per-layer messages)
 
 
 Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayer | PushDone

@@ -1,10 +1,11 @@
 """Layer-wise push, worker side (vllm-ascend's MooncakeLayerwiseConnector, in pdserve's terms).
 
 P (`PushSender`): `save_kv_layer(layer)` is called from the forward pass right after a layer has
-written its KV; it queues that layer of every pushing request to a sender thread, which writes
-it to D (tcp: over the session socket straight from the pool; shm: one copy into D's shared pool)
-while the next layers compute. `wait_for_save()` ends the step once the queue is drained. A
-request's last chunk ends its session with `PushDone`; P then frees its blocks at once.
+written its KV. Over tcp it queues that layer of every pushing request to a sender thread, which
+writes it to D's socket straight from the pool while the next layers compute; over shm it copies
+the layer into D's shared pool at once (one memcpy, cheaper than a thread hand-off). At the end
+of the step `wait_for_save()` waits for the queue; a request's last chunk ends its session with
+`PushDone`, and P frees its blocks at once.
 
 D (`PushReceiver`): listens on the side channel, accepts a session only for a request it is
 waiting for, lands each layer in that request's reserved blocks, and reports the arrival (or the
@@ -72,79 +73,82 @@ class _Session:
 
 
 class PushSender:
+    """P's pusher. Sessions are opened and ended on the engine thread; shm layers are copied right
+    there (a memcpy is cheaper than handing it to a thread on a one-core node); tcp layers go to
+    the sender thread, whose socket writes overlap the next layers' compute."""
+
     def __init__(self, pool: KVPool, stats: KVStats, transport: str, timeout_s: float) -> None:
         self.pool, self.stats = pool, stats
         self.transport = transport
         self.timeout_s = timeout_s
         self.data = pool.byte_view()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._sessions: dict[str, _Session] = {}  # touched by the sender thread only
-        self._failed: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        self._step: list[SaveSpec] = []
+        self._sessions: dict[str, _Session] = {}
+        self._failed: list[tuple[str, str]] = []
+        self._failed_lock = threading.Lock()
+        self._step: list[tuple[SaveSpec, _Session]] = []
         self._remote_pools: dict[str, RemotePool] = {}
         threading.Thread(target=self._run, name="kv-push", daemon=True).start()
 
     # -- engine thread --------------------------------------------------------------------------
 
     def begin_step(self, saves: list[SaveSpec]) -> None:
-        self._step = saves
+        """Open (or reuse) each pushing request's session before the forward pass starts."""
+        self._step = []
+        for spec in saves:
+            session = self._sessions.get(spec.request_id)
+            if session is None:
+                session = self._sessions[spec.request_id] = _Session(spec.target)
+                try:
+                    self._open(session)
+                except (OSError, ProtocolError) as exc:
+                    self._fail(spec.request_id, session, f"cannot push to {spec.target.host}:{spec.target.port}: {exc}")
+            self._step.append((spec, session))
 
     def save_kv_layer(self, layer: int) -> None:
-        """The forward pass has written `layer` for this step: hand it to the sender thread."""
-        for spec in self._step:
-            self._tasks.put(("layer", spec, layer))
+        """The forward pass has just written `layer`: push that layer of every pushing request."""
+        for spec, session in self._step:
+            if session.error or not spec.src_block_ids:
+                continue
+            if session.remote is None:
+                self._tasks.put((self._send_layer, spec, session, layer))
+                continue
+            try:
+                if _peer_cancelled(session.sock):
+                    raise ProtocolError("decode node cancelled the push")
+                session.nbytes += copy_block_runs(
+                    self.pool.tensor[layer : layer + 1], spec.src_block_ids,
+                    session.remote.tensor[layer : layer + 1], spec.dst_block_ids,
+                )
+            except (OSError, ProtocolError) as exc:
+                self._fail(spec.request_id, session, str(exc))
 
     def wait_for_save(self) -> None:
-        """Block until every queued layer of this step is written, then end finished sessions."""
-        for spec in self._step:
-            if spec.last:
-                self._tasks.put(("done", spec, None))
+        """Wait until this step's tcp layers are written, then end the sessions of finished prompts."""
         barrier = threading.Event()
-        self._tasks.put(("barrier", None, barrier))
+        self._tasks.put((lambda *_: barrier.set(), None, None, None))
         barrier.wait()
+        for spec, session in self._step:
+            if spec.last:
+                self._sessions.pop(spec.request_id, None)
+                if session.error is None:
+                    self._end(session, ok=True)
+                    self.stats.add_sent(session.nbytes, time.perf_counter() - session.started)
         self._step = []
 
     def abort(self, request_id: str) -> None:
         """P's request ended early (aborted): tell D the push is abandoned."""
-        self._tasks.put(("abort", request_id, None))
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            self._end(session, ok=False, error="prefill request aborted")
 
     def failed_requests(self) -> list[tuple[str, str]]:
         """(P request id, why) of pushes D refused or that broke: the engine aborts them."""
-        out = []
-        while True:
-            try:
-                out.append(self._failed.get_nowait())
-            except queue.Empty:
-                return out
+        with self._failed_lock:
+            out, self._failed = self._failed, []
+        return out
 
-    # -- sender thread --------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            kind, spec, arg = self._tasks.get()
-            if kind == "barrier":
-                arg.set()
-            elif kind == "abort":
-                session = self._sessions.pop(spec, None)
-                if session is not None:
-                    self._end(session, ok=False, error="prefill request aborted")
-            elif kind == "layer":
-                self._send_layer(spec, arg)
-            elif kind == "done":
-                session = self._sessions.pop(spec.request_id, None)
-                if session is not None and session.error is None:
-                    self._end(session, ok=True)
-                    self.stats.add_sent(session.nbytes, time.perf_counter() - session.started)
-
-    def _session(self, spec: SaveSpec) -> _Session | None:
-        session = self._sessions.get(spec.request_id)
-        if session is None:
-            session = self._sessions[spec.request_id] = _Session(spec.target)
-            try:
-                self._open(session)
-            except (OSError, ProtocolError) as exc:
-                self._fail(spec.request_id, session, f"cannot push to {spec.target.host}:{spec.target.port}: {exc}")
-        return None if session.error else session
+    # -- sessions -------------------------------------------------------------------------------
 
     def _open(self, session: _Session) -> None:
         target = session.target
@@ -168,31 +172,29 @@ class PushSender:
             pool = self._remote_pools[name] = RemotePool(name, shape, self.pool.dtype)
         return pool
 
-    def _send_layer(self, spec: SaveSpec, layer: int) -> None:
-        session = self._session(spec)
-        if session is None or not spec.src_block_ids:
+    def _run(self) -> None:
+        """The sender thread: runs queued tcp layer sends (and step barriers) in order."""
+        while True:
+            fn, spec, session, layer = self._tasks.get()
+            fn(spec, session, layer)
+
+    def _send_layer(self, spec: SaveSpec, session: _Session, layer: int) -> None:
+        if session.error:
             return
         try:
             if _peer_cancelled(session.sock):
                 raise ProtocolError("decode node cancelled the push")
-            if session.remote is not None:  # shm: write into D's pool, then say so
-                session.nbytes += copy_block_runs(
-                    self.pool.tensor[layer : layer + 1], spec.src_block_ids,
-                    session.remote.tensor[layer : layer + 1], spec.dst_block_ids,
-                )
-                send_msg(session.sock, PushLayer(layer, spec.dst_block_ids))
-            else:
-                send_msg(session.sock, PushLayer(layer, spec.dst_block_ids))
-                session.nbytes += send_segments(
-                    session.sock, self.data, self.pool.segments(spec.src_block_ids, range(layer, layer + 1))
-                )
+            send_msg(session.sock, PushLayer(layer, spec.dst_block_ids))
+            session.nbytes += send_segments(
+                session.sock, self.data, self.pool.segments(spec.src_block_ids, range(layer, layer + 1))
+            )
         except (OSError, ProtocolError) as exc:
             self._fail(spec.request_id, session, str(exc))
 
     def _end(self, session: _Session, ok: bool, error: str | None = None) -> None:
         try:
             if session.sock is not None:
-                send_msg(session.sock, PushDone(ok, error))
+                send_msg(session.sock, PushDone(ok, error, session.nbytes))
                 if ok:
                     reply = recv_msg(session.sock)
                     if not isinstance(reply, Ack) or not reply.ok:
@@ -202,15 +204,17 @@ class PushSender:
         finally:
             if session.sock is not None:
                 session.sock.close()
+                session.sock = None
 
     def _fail(self, request_id: str, session: _Session, error: str) -> None:
         if session.error is None:
             session.error = error
             logger.warning("push of %s failed: %s", request_id, error)
             self.stats.add_failed()
-            self._failed.put((request_id, error))
+            with self._failed_lock:
+                self._failed.append((request_id, error))
             if session.sock is not None:
-                session.sock.close()
+                session.sock.close()  # D learns it at once, and knows nothing writes any more
                 session.sock = None
 
     def close(self) -> None:
@@ -324,8 +328,10 @@ class PushReceiver:
                 msg = recv_msg(conn)
                 if isinstance(msg, PushDone):
                     error = None if msg.ok else (msg.error or "push abandoned by the prefill node")
+                    if begin.transport == "shm":
+                        nbytes = msg.nbytes
                     break
-                if not isinstance(msg, PushLayer):
+                if not isinstance(msg, PushLayer) or begin.transport != "tcp":
                     raise ProtocolError(f"unexpected {type(msg).__name__} in a push session")
                 with self._lock:
                     exp = self._expected[rid]
@@ -333,10 +339,7 @@ class PushReceiver:
                         raise ProtocolError("push cancelled by the decode node")
                     if not set(msg.block_ids) <= exp.block_ids or not 0 <= msg.layer < self.pool.num_layers:
                         raise ProtocolError("push names blocks or a layer this request does not own")
-                if begin.transport == "tcp":
-                    nbytes += recv_segments(conn, self.data, self.pool.segments(msg.block_ids, range(msg.layer, msg.layer + 1)))
-                else:
-                    nbytes += 2 * len(msg.block_ids) * self.pool.block_bytes
+                nbytes += recv_segments(conn, self.data, self.pool.segments(msg.block_ids, range(msg.layer, msg.layer + 1)))
         except (OSError, ProtocolError) as exc:
             error = str(exc)
             try:

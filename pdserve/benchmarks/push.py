@@ -1,0 +1,143 @@
+"""TTFT under colocated, pull and push, and how much of pull's transfer time push hides.
+
+    python -m pdserve.benchmarks.push [--lens 512 2048 4096] [--repeats 5]
+
+Starts a colocated node, a prefill node (core 0), a decode node (core 1) and two proxies (pull,
+push); for each prompt length sends fresh random prompts (no prefix-cache hits), the three setups
+interleaved, and takes medians of:
+- TTFT seen by the client (streamed);
+- pull's transfer time (D's wait for the KV after P answered: the proxy's transfer stage);
+- P's prefill time (P's own TTFT metric) with pushing (push) and without (pull);
+- hidden share = (TTFT_pull - TTFT_push) / transfer_pull, and P's slowdown from pushing.
+Writes docs/results/push.json and a section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from pdserve.benchmarks.report import update_section
+from pdserve.launcher import Child, Cluster, free_port
+
+
+def metric_sum(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def streamed_ttft(client: httpx.Client, url: str, prompt: list[int]) -> float:
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        ttft = time.perf_counter() - start
+        for _ in lines:
+            pass
+    return ttft
+
+
+def run(lens: list[int], repeats: int, dtype: str) -> dict:
+    common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
+
+    def node(name: str, role: str, core: int, *extra: str) -> Child:
+        port = free_port()
+        return Child(name, ["serve", "--role", role, "--port", str(port), *common, *extra], f"http://127.0.0.1:{port}", core)
+
+    both, p, d = node("both", "both", 1), node("p", "prefill", 0), node("d", "decode", 1)
+    proxies = {}
+    for mode in ("pull", "push"):
+        port = free_port()
+        proxies[mode] = Child(f"proxy-{mode}", ["proxy", "--mode", mode, "--port", str(port), "--log-level", "warning",
+                                                "--prefill", p.url, "--decode", d.url], f"http://127.0.0.1:{port}", None)
+    cluster = Cluster()
+    results: dict = {}
+    try:
+        for child in (both, p, d):
+            cluster.start(child)
+        cluster.wait_healthy([both, p, d], 300)
+        for child in proxies.values():
+            cluster.start(child)
+        cluster.wait_healthy(list(proxies.values()), 60)
+        g = torch.Generator().manual_seed(0)
+        with httpx.Client(timeout=600) as client:
+            for length in lens:
+                rows: dict[str, list] = {"colocated": [], "pull": [], "push": [], "transfer_pull": [],
+                                         "p_prefill_pull": [], "p_prefill_push": []}
+                for i in range(repeats + 1):  # the first round warms up this shape
+                    prompt = lambda: torch.randint(1000, 40000, (length,), generator=g).tolist()  # noqa: E731
+                    round_ = {"colocated": streamed_ttft(client, both.url, prompt())}
+                    for mode in ("pull", "push"):
+                        t0 = metric_sum(proxies[mode].url, "pdserve_proxy:stage_seconds_sum", 'stage="transfer"')
+                        p0 = metric_sum(p.url, "pdserve:time_to_first_token_seconds_sum")
+                        round_[mode] = streamed_ttft(client, proxies[mode].url, prompt())
+                        round_[f"p_prefill_{mode}"] = metric_sum(p.url, "pdserve:time_to_first_token_seconds_sum") - p0
+                        if mode == "pull":
+                            round_["transfer_pull"] = (
+                                metric_sum(proxies[mode].url, "pdserve_proxy:stage_seconds_sum", 'stage="transfer"') - t0
+                            )
+                    if i:
+                        for k, v in round_.items():
+                            rows[k].append(v)
+                med = {k: statistics.median(v) for k, v in rows.items()}
+                med["hidden_share"] = (med["pull"] - med["push"]) / med["transfer_pull"] if med["transfer_pull"] else None
+                med["p_slowdown"] = med["p_prefill_push"] / med["p_prefill_pull"] - 1
+                med["runs"] = rows
+                results[str(length)] = med
+    finally:
+        cluster.stop()
+    return results
+
+
+def markdown(res: dict, args) -> str:
+    lines = [
+        f"Command: `python -m pdserve.benchmarks.push --lens {' '.join(map(str, args.lens))} --repeats {args.repeats}` "
+        f"({time.strftime('%Y-%m-%d')}, {args.dtype}; P on core 0, D and the colocated node on core 1; medians).",
+        "",
+        "| prompt tokens | TTFT colocated (ms) | TTFT pull (ms) | TTFT push (ms) | pull transfer (ms) | "
+        "hidden by push | P prefill, pull (ms) | P prefill, push (ms) | P slowdown |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for length, r in res.items():
+        hidden = "–" if r["hidden_share"] is None else f"{r['hidden_share'] * 100:.0f} %"
+        lines.append(
+            f"| {length} | {r['colocated'] * 1e3:.0f} | {r['pull'] * 1e3:.0f} | {r['push'] * 1e3:.0f} | "
+            f"{r['transfer_pull'] * 1e3:.1f} | {hidden} | {r['p_prefill_pull'] * 1e3:.0f} | "
+            f"{r['p_prefill_push'] * 1e3:.0f} | {r['p_slowdown'] * 100:+.1f} % |"
+        )
+    lines += ["", "hidden by push = (TTFT_pull - TTFT_push) / pull transfer time; P slowdown = P's prefill "
+              "time with pushing over without. With transfers this small next to the prefill, the hidden "
+              "share is a difference of two noisy TTFTs: read it with the per-run figures in "
+              "docs/results/push.json."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="docs/results/push.json")
+    args = parser.parse_args()
+    res = run(args.lens, args.repeats, args.dtype)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    text = markdown(res, args)
+    print(text)
+    update_section(Path("docs/benchmarks.md"), "push", "Layer-wise push vs pull vs colocated: TTFT", text)
+
+
+if __name__ == "__main__":
+    main()
