@@ -111,3 +111,31 @@ def test_no_push_arrives_then_policy_applies(tmp_path, cluster, policy, status):
     finally:
         meta.stop()
         d.stop()
+
+
+def test_prefill_node_killed_mid_push(tmp_path):
+    """P dies while pushing a long prompt: the client gets a clean error quickly, D frees its blocks."""
+    p = start_pdserve(["serve", "--role", "prefill", "--max-num-batched-tokens", "128", *NODE], tmp_path, "p_doomed")
+    d = start_pdserve(["serve", "--role", "decode", "--kv-wait-timeout", "5", *NODE], tmp_path, "d_survivor")
+    proxy = start_pdserve(["proxy", "--mode", "push", "--prefill", p.url, "--decode", d.url], tmp_path, "proxy_doomed")
+    try:
+        fresh = " ".join(f"Row {i}: yet another text, about {i} squared minus one, {i * i - 1}." for i in range(80))
+        body = {"model": MODEL, "prompt": fresh, "max_tokens": 16, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(httpx.post, proxy.url + "/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while metric(d.url, "pdserve:num_requests_waiting_for_remote_kv") == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # P is now prefilling chunk after chunk, pushing each layer
+            p.proc.kill()
+            start = time.monotonic()
+            r = future.result()
+        assert r.status_code in (502, 503, 504), r.text
+        assert r.json()["error"]["message"]
+        assert time.monotonic() - start < 10
+        assert wait_for_metric(d.url, "pdserve:kv_blocks_used", 0, timeout=10) == 0
+        assert metric(d.url, "pdserve:num_requests_waiting_for_remote_kv") == 0
+        assert httpx.get(d.url + "/health").status_code == 200
+    finally:
+        for proc in (proxy, d, p):
+            proc.stop()
