@@ -272,7 +272,10 @@ class Proxy:
         except BaseException:
             node.end(tokens)
             raise
-        timing.transfer_s = float(response.headers.get("x-pdserve-kv-load-ms", 0)) / 1e3
+        kv_wait = float(response.headers.get("x-pdserve-kv-load-ms", 0)) / 1e3
+        if self.config.mode == "push":  # D waited through P's whole prefill: count only what was exposed
+            kv_wait = max(kv_wait - ((timing.prefill_done or timing.arrival) - timing.arrival), 0.0)
+        timing.transfer_s = kv_wait
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
