@@ -30,3 +30,4 @@ bench: install-test
 	$(PY) -m pdserve.benchmarks.engine
 	$(PY) -m pdserve.benchmarks.startup
 	$(PY) -m pdserve.benchmarks.transfer
+	$(PY) -m pdserve.benchmarks.push

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

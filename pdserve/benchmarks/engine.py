@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.benchmarks.report import update_section
+from pdserve.benchmarks.report import publish
 
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
@@ -222,11 +222,10 @@ def main() -> None:
         for system in ("pdserve", "transformers"):
             results[system][dtype] = run_one(system, dtype, args.threads, args.quick)
     table = markdown(results, args.threads, args.dtypes)
-    print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    if not args.no_docs:
-        update_section(Path("docs/benchmarks.md"), "engine", "Engine: pdserve vs transformers", table)
+    if args.no_docs:
+        print(table)
+    else:
+        publish(results, args.out, "engine", "Engine: pdserve vs transformers", table)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -16,3 +17,11 @@ def update_section(path: Path, name: str, title: str, body: str) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def publish(results: dict, out: str, section: str, title: str, text: str) -> None:
+    """Write a benchmark's JSON, print its table, and put the table into docs/benchmarks.md."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2))
+    print(text)
+    update_section(Path("docs/benchmarks.md"), section, title, text)

@@ -10,9 +10,7 @@ section of `docs/benchmarks.md`.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,14 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.benchmarks.report import update_section
+from pdserve.benchmarks.report import publish
+from pdserve.launcher import free_port
 from pdserve.models.loader import resolve_model_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -77,8 +70,6 @@ def main() -> None:
         "startup_s_median": statistics.median(r["startup_s"] for r in runs),
         "idle_rss_mib_median": statistics.median(r["idle_rss_mib"] for r in runs),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
     body = (
         f"Command: `python -m pdserve.benchmarks.startup --runs {args.runs} --dtype {args.dtype}` ({result['date']}).\n\n"
         f"| | median | runs |\n|---|---|---|\n"
@@ -87,8 +78,7 @@ def main() -> None:
         f"| idle RSS, default KV pool 0.5 GiB (MiB) | {result['idle_rss_mib_median']:.0f} | "
         + ", ".join(f"{r['idle_rss_mib']:.0f}" for r in runs) + " |"
     )
-    print(body)
-    update_section(Path("docs/benchmarks.md"), "startup", "Node start-up and idle memory", body)
+    publish(result, args.out, "startup", "Node start-up and idle memory", body)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,17 @@ Writes docs/results/transfer.json and a section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import torch
 
-from pdserve.benchmarks.report import update_section
+from pdserve.benchmarks.report import publish
 from pdserve.kv.pool import KVPool, RemotePool
 from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
@@ -194,11 +192,7 @@ def main() -> None:
         return
     res = {"date": time.strftime("%Y-%m-%d"), "backends": bench_backends(args.mib, args.repeats),
            "ttft": bench_ttft(args.prompt_lens, max(args.repeats // 2, 2), args.dtype)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    text = markdown(res, args)
-    print(text)
-    update_section(Path("docs/benchmarks.md"), "transfer", "KV transfer: backends and share of TTFT", text)
+    publish(res, args.out, "transfer", "KV transfer: backends and share of TTFT", markdown(res, args))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import math
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 
-import numpy as np
 import torch
 
 from pdserve.kv.protocol import KVLayout

@@ -19,13 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pdserve.kv.channel import SideChannelServer, tune_socket
 from pdserve.kv.pool import KVPool, RemotePool
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
 
 logger = logging.getLogger(__name__)
-
-SOCKET_BUFFER = 4 << 20
 
 
 @dataclass
@@ -86,12 +85,6 @@ class HeldBlocks:
             return sum(len(h.block_ids) for h in self._holds.values())
 
 
-def tune_socket(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-
-
 MAX_IOV = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
 LARGE_SEGMENT = 64 << 10
 
@@ -146,29 +139,8 @@ class KVSender:
     def __init__(self, pool: KVPool, held: HeldBlocks, stats: KVStats, host: str, port: int) -> None:
         self.pool, self.held, self.stats = pool, held, stats
         self.data = pool.byte_view()
-        self.server = socket.create_server((host, port), backlog=128)
-        self.host, self.port = host, self.server.getsockname()[1]
-        self._closed = threading.Event()
-        threading.Thread(target=self._accept_loop, name="kv-sender", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, addr = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, addr), name="kv-send", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, addr) -> None:
-        with conn:
-            try:
-                tune_socket(conn)
-                msg = recv_msg(conn)
-                if not isinstance(msg, PullRequest):
-                    raise ProtocolError(f"expected PullRequest, got {type(msg).__name__}")
-                self._serve_pull(conn, msg)
-            except (OSError, ProtocolError) as exc:
-                logger.warning("KV pull from %s failed: %s", addr, exc)
+        self.channel = SideChannelServer(host, port, "kv-sender", PullRequest, self._serve_pull)
+        self.host, self.port = host, self.channel.port
 
     def _serve_pull(self, conn: socket.socket, req: PullRequest) -> None:
         if req.layout != self.pool.layout:
@@ -196,8 +168,7 @@ class KVSender:
             send_msg(conn, Ack())
 
     def close(self) -> None:
-        self._closed.set()
-        self.server.close()
+        self.channel.close()
 
 
 @dataclass

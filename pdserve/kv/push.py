@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pdserve.kv.channel import SideChannelServer, tune_socket
 from pdserve.kv.pool import KVPool, RemotePool, copy_block_runs
 from pdserve.kv.protocol import (
     Ack,
@@ -33,7 +34,7 @@ from pdserve.kv.protocol import (
     recv_msg,
     send_msg,
 )
-from pdserve.kv.pull import LoadResult, is_loopback, recv_segments, send_segments, tune_socket
+from pdserve.kv.pull import LoadResult, is_loopback, recv_segments, send_segments
 from pdserve.kv.stats import KVStats
 
 logger = logging.getLogger(__name__)
@@ -247,9 +248,8 @@ class PushReceiver:
         self.data = pool.byte_view()
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
-        self.server = socket.create_server((host, port), backlog=128)
-        self.host, self.port = host, self.server.getsockname()[1]
-        threading.Thread(target=self._accept_loop, name="kv-push-recv", daemon=True).start()
+        self.channel = SideChannelServer(host, port, "kv-push-recv", PushBegin, self._session)
+        self.host, self.port = host, self.channel.port
 
     # -- engine thread --------------------------------------------------------------------------
 
@@ -282,25 +282,6 @@ class PushReceiver:
                         self.results.put(LoadResult(rid, "no KV pushed before --kv-wait-timeout", transport="push"))
 
     # -- session threads ------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, addr = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, addr), name="kv-push-sess", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, addr) -> None:
-        with conn:
-            try:
-                tune_socket(conn)
-                begin = recv_msg(conn)
-                if not isinstance(begin, PushBegin):
-                    raise ProtocolError(f"expected PushBegin, got {type(begin).__name__}")
-                self._session(conn, begin)
-            except (OSError, ProtocolError) as exc:
-                logger.warning("push session from %s failed: %s", addr, exc)
 
     def _claim(self, begin: PushBegin) -> str | None:
         if begin.layout != self.pool.layout:
@@ -362,4 +343,4 @@ class PushReceiver:
             self.results.put(LoadResult(rid, error, transport="push"))
 
     def close(self) -> None:
-        self.server.close()
+        self.channel.close()

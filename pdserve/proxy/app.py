@@ -342,21 +342,3 @@ def _sample(metrics_text: str, name: str) -> float:
 
 def _error_body(message: str, status: int = 502) -> dict:
     return {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
-
-
-async def wait_healthy(urls: list[str], timeout_s: float) -> None:
-    """Block until every URL's /health answers 200 (used by `pdserve up`)."""
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        pending = set(urls)
-        while pending:
-            for url in list(pending):
-                try:
-                    if (await client.get(url + "/health")).status_code == 200:
-                        pending.discard(url)
-                except httpx.HTTPError:
-                    pass
-            if pending:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {sorted(pending)}")
-                await asyncio.sleep(0.2)
