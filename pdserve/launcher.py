@@ -46,6 +46,12 @@ class Child:
     role: str = ""
     proc: subprocess.Popen | None = None
 
+    @classmethod
+    def on_free_port(cls, name: str, args: list[str], core: int | None = None, role: str = "") -> "Child":
+        """A `pdserve <args>` child listening on a free loopback port."""
+        port = free_port()
+        return cls(name, [*args, "--host", "127.0.0.1", "--port", str(port)], f"http://127.0.0.1:{port}", core, role)
+
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.args], preexec_fn=_child_setup(self.core))
 
@@ -60,6 +66,12 @@ class Cluster:
     def start(self, child: Child) -> None:
         self.children.append(child)
         child.start()
+
+    def launch(self, children: list[Child], timeout_s: float) -> None:
+        """Start children together and wait until every one is healthy."""
+        for child in children:
+            self.start(child)
+        self.wait_healthy(children, timeout_s)
 
     def wait_healthy(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -109,19 +121,17 @@ def run_up(args) -> int:
 
     # Convert the model once here, so that the nodes do not race to fill the cache.
     model_dir = str(resolve_model_dir(args.model))
-    host = "127.0.0.1"
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = plan_cores(len(roles))
     node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
                  "--kv-transport", args.kv_transport, "--log-level", args.log_level]
     if args.max_model_len:
         node_args += ["--max-model-len", str(args.max_model_len)]
-    nodes = []
-    for i, (role, core) in enumerate(zip(roles, cores)):
-        port = free_port(host)
-        threads = ["--threads", "1"] if core is not None else []
-        nodes.append(Child(f"{role}-{i}", ["serve", "--role", role, "--host", host, "--port", str(port),
-                                            *threads, *node_args], f"http://{host}:{port}", core, role))
+    nodes = [
+        Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *(["--threads", "1"] if core is not None else []),
+                                           *node_args], core, role)
+        for i, (role, core) in enumerate(zip(roles, cores))
+    ]
     cluster = Cluster()
     stop_requested = False
 
@@ -132,18 +142,15 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        for node in nodes:
-            cluster.start(node)
         print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode node(s) "
               f"(cores: {[c for c in cores]})", flush=True)
-        cluster.wait_healthy(nodes, args.startup_timeout)
+        cluster.launch(nodes, args.startup_timeout)
         proxy_args = ["proxy", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
                       "--mode", args.mode, "--log-level", args.log_level,
                       "--prefill", *[n.url for n in nodes if n.role == "prefill"],
                       "--decode", *[n.url for n in nodes if n.role == "decode"]]
         proxy = Child("proxy", proxy_args, f"http://{args.host}:{args.port}", None)
-        cluster.start(proxy)
-        cluster.wait_healthy([proxy], 60)
+        cluster.launch([proxy], 60)
         print_ready(proxy.url, args.mode)
         while not stop_requested:
             dead = cluster.dead_child()

@@ -22,7 +22,7 @@ import httpx
 import torch
 
 from pdserve.benchmarks.report import publish
-from pdserve.launcher import Child, Cluster, free_port
+from pdserve.launcher import Child, Cluster
 
 
 def metric_sum(url: str, name: str, labels: str = "") -> float:
@@ -50,25 +50,16 @@ def streamed_ttft(client: httpx.Client, url: str, prompt: list[int]) -> float:
 def run(lens: list[int], repeats: int, dtype: str) -> dict:
     common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
 
-    def node(name: str, role: str, core: int, *extra: str) -> Child:
-        port = free_port()
-        return Child(name, ["serve", "--role", role, "--port", str(port), *common, *extra], f"http://127.0.0.1:{port}", core)
-
-    both, p, d = node("both", "both", 1), node("p", "prefill", 0), node("d", "decode", 1)
-    proxies = {}
-    for mode in ("pull", "push"):
-        port = free_port()
-        proxies[mode] = Child(f"proxy-{mode}", ["proxy", "--mode", mode, "--port", str(port), "--log-level", "warning",
-                                                "--prefill", p.url, "--decode", d.url], f"http://127.0.0.1:{port}", None)
+    both, p, d = (Child.on_free_port(name, ["serve", "--role", role, *common], core)
+                  for name, role, core in (("both", "both", 1), ("p", "prefill", 0), ("d", "decode", 1)))
+    proxies = {mode: Child.on_free_port(f"proxy-{mode}", ["proxy", "--mode", mode, "--log-level", "warning",
+                                                          "--prefill", p.url, "--decode", d.url])
+               for mode in ("pull", "push")}
     cluster = Cluster()
     results: dict = {}
     try:
-        for child in (both, p, d):
-            cluster.start(child)
-        cluster.wait_healthy([both, p, d], 300)
-        for child in proxies.values():
-            cluster.start(child)
-        cluster.wait_healthy(list(proxies.values()), 60)
+        cluster.launch([both, p, d], 300)
+        cluster.launch(list(proxies.values()), 60)
         g = torch.Generator().manual_seed(0)
         with httpx.Client(timeout=600) as client:
             for length in lens:

@@ -107,23 +107,18 @@ def bench_backends(mib: int, repeats: int) -> dict:
 
 
 def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
-    from pdserve.launcher import Child, Cluster, free_port
+    from pdserve.launcher import Child, Cluster
 
     common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
     nodes = {
-        "p": Child("p", ["serve", "--role", "prefill", "--port", str(port := free_port()), *common],
-                   f"http://127.0.0.1:{port}", 0),
-        "tcp": Child("d-tcp", ["serve", "--role", "decode", "--kv-transport", "tcp", "--port", str(port := free_port()),
-                               *common], f"http://127.0.0.1:{port}", 1),
-        "shm": Child("d-shm", ["serve", "--role", "decode", "--kv-transport", "shm", "--port", str(port := free_port()),
-                               *common], f"http://127.0.0.1:{port}", 1),
+        "p": Child.on_free_port("p", ["serve", "--role", "prefill", *common], 0),
+        "tcp": Child.on_free_port("d-tcp", ["serve", "--role", "decode", "--kv-transport", "tcp", *common], 1),
+        "shm": Child.on_free_port("d-shm", ["serve", "--role", "decode", "--kv-transport", "shm", *common], 1),
     }
     cluster = Cluster()
     out: dict = {}
     try:
-        for child in nodes.values():
-            cluster.start(child)
-        cluster.wait_healthy(list(nodes.values()), 300)
+        cluster.launch(list(nodes.values()), 300)
         g = torch.Generator().manual_seed(0)
         with httpx.Client(timeout=600) as client:
             for length in prompt_lens:
