@@ -111,6 +111,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pdserve.benchmarks.serving import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with prefill/decode disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +179,30 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     up.set_defaults(func=cmd_up)
+
+    bench = sub.add_parser("bench", help="online serving benchmark against any OpenAI-compatible server")
+    bench.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    bench.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    bench.add_argument("--model", default=None, help="model name to send (default: the server's choice)")
+    bench.add_argument("--dataset", default="random", help="random | mixed | path to a ShareGPT JSON file")
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +- this fraction")
+    bench.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long documents")
+    bench.add_argument("--short-input-len", type=int, default=128)
+    bench.add_argument("--short-output-len", type=int, default=128)
+    bench.add_argument("--long-input-len", type=int, default=2048)
+    bench.add_argument("--long-output-len", type=int, default=64)
+    bench.add_argument("--num-prompts", type=int, default=100)
+    bench.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
+    bench.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    bench.add_argument("--max-concurrency", type=int, default=None)
+    bench.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
+    bench.add_argument("--out", default=None, help="write the results as JSON here")
+    bench.add_argument("--plot", default=None, help="write TTFT / TPOT CDFs as a PNG here (needs matplotlib)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
