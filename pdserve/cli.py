@@ -94,7 +94,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
-    proxy = Proxy(ProxyConfig(args.prefill, args.decode, args.policy, args.mode, meta_url=meta_url))
+    proxy = Proxy(ProxyConfig(args.prefill or [], args.decode or [], args.policy, args.mode, meta_url=meta_url,
+                              node_urls=args.node or []))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -106,8 +107,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.launcher import run_up
 
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError("--prefill and --decode must be >= 1")
+    if args.colocated < 0 or (not args.colocated and (args.prefill < 1 or args.decode < 1)):
+        raise ValueError("--prefill and --decode must be >= 1 (or use --colocated N >= 1)")
     return run_up(args)
 
 
@@ -152,11 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser("proxy", help="run the PD proxy in front of prefill and decode nodes")
-    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill node URLs")
-    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode node URLs")
+    proxy.add_argument("--prefill", nargs="+", metavar="URL", help="prefill node URLs (pull / push)")
+    proxy.add_argument("--decode", nargs="+", metavar="URL", help="decode node URLs (pull / push)")
+    proxy.add_argument("--node", nargs="+", metavar="URL", help="colocated (--role both) node URLs (colocated)")
     proxy.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
-    proxy.add_argument("--mode", default="pull", choices=["pull", "push"],
-                       help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed")
+    proxy.add_argument("--mode", default="pull", choices=["pull", "push", "colocated"],
+                       help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
+                            "colocated: load-balance --role both nodes")
     proxy.add_argument("--meta-url", default=None,
                        help="push: the URL decode nodes use to announce blocks (default: this proxy's /v1/kv/meta)")
     proxy.add_argument("--host", default="127.0.0.1")
@@ -168,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--mode", default="pull", choices=["pull", "push"])
+    up.add_argument("--colocated", type=int, default=0, metavar="N",
+                    help="instead of P/D: N colocated (--role both) nodes behind the proxy")
+    up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument("--no-chunked-prefill", action="store_true")
     up.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)

@@ -121,12 +121,15 @@ def run_up(args) -> int:
 
     # Convert the model once here, so that the nodes do not race to fill the cache.
     model_dir = str(resolve_model_dir(args.model))
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = plan_cores(len(roles))
     node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
                  "--kv-transport", args.kv_transport, "--log-level", args.log_level]
     if args.max_model_len:
         node_args += ["--max-model-len", str(args.max_model_len)]
+    node_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_chunked_prefill:
+        node_args.append("--no-chunked-prefill")
     nodes = [
         Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *(["--threads", "1"] if core is not None else []),
                                            *node_args], core, role)
@@ -142,16 +145,19 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode node(s) "
-              f"(cores: {[c for c in cores]})", flush=True)
+        shape = f"{args.colocated} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+        print(f"pdserve up: starting {shape} node(s) (cores: {cores})", flush=True)
         cluster.launch(nodes, args.startup_timeout)
         proxy_args = ["proxy", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
-                      "--mode", args.mode, "--log-level", args.log_level,
-                      "--prefill", *[n.url for n in nodes if n.role == "prefill"],
-                      "--decode", *[n.url for n in nodes if n.role == "decode"]]
+                      "--log-level", args.log_level]
+        if args.colocated:
+            proxy_args += ["--mode", "colocated", "--node", *[n.url for n in nodes]]
+        else:
+            proxy_args += ["--mode", args.mode, "--prefill", *[n.url for n in nodes if n.role == "prefill"],
+                           "--decode", *[n.url for n in nodes if n.role == "decode"]]
         proxy = Child("proxy", proxy_args, f"http://{args.host}:{args.port}", None)
         cluster.launch([proxy], 60)
-        print_ready(proxy.url, args.mode)
+        print_ready(proxy.url, "colocated" if args.colocated else args.mode)
         while not stop_requested:
             dead = cluster.dead_child()
             if dead is not None:

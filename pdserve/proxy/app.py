@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
@@ -56,10 +56,11 @@ class ProxyConfig:
     prefill_urls: list[str]
     decode_urls: list[str]
     policy: str = "round_robin"
-    mode: str = "pull"  # pull | push
+    mode: str = "pull"  # pull | push | colocated (plain load balancing over --role both nodes)
     request_timeout_s: float = 600.0
     meta_url: str = ""  # push: where decode nodes announce their blocks (this proxy's /v1/kv/meta)
     meta_timeout_s: float = 30.0
+    node_urls: list[str] = field(default_factory=list)  # colocated mode
 
 
 class NodeError(Exception):
@@ -85,16 +86,22 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
-        if not config.prefill_urls or not config.decode_urls:
-            raise ValueError("the proxy needs at least one --prefill and one --decode node")
-        if config.mode not in ("pull", "push"):
-            raise ValueError(f"mode must be pull or push, got {config.mode!r}")
+        if config.mode not in ("pull", "push", "colocated"):
+            raise ValueError(f"mode must be pull, push or colocated, got {config.mode!r}")
+        if config.mode == "colocated":
+            if not config.node_urls or config.prefill_urls or config.decode_urls:
+                raise ValueError("colocated mode takes --node URLs (and no --prefill / --decode)")
+        elif not config.prefill_urls or not config.decode_urls:
+            raise ValueError(f"{config.mode} mode needs at least one --prefill and one --decode node")
         if config.mode == "push" and not config.meta_url:
             raise ValueError("push mode needs the URL of this proxy's meta endpoint")
         self._announcements: dict[str, asyncio.Future] = {}  # push: proxy request id -> D's blocks
         self.config = config
         self.prefillers = [Node(u.rstrip("/"), "prefill") for u in config.prefill_urls]
-        self.decoders = [Node(u.rstrip("/"), "decode") for u in config.decode_urls]
+        # Colocated nodes serve whole requests: they take the decoders' place in the relay.
+        self.decoders = [Node(u.rstrip("/"), "decode") for u in config.decode_urls] or [
+            Node(u.rstrip("/"), "both") for u in config.node_urls
+        ]
         self.prefill_policy = POLICIES[config.policy]()
         self.decode_policy = POLICIES[config.policy]()
         self.metrics = ProxyMetrics(self.prefillers + self.decoders)
@@ -128,7 +135,8 @@ class Proxy:
 
         @app.get("/health")
         async def health():
-            return {"status": "ok", "prefill": len(self.prefillers), "decode": len(self.decoders)}
+            return {"status": "ok", "mode": self.config.mode, "prefill": len(self.prefillers),
+                    "decode": len(self.decoders)}
 
         @app.get("/v1/models")
         async def models():
@@ -196,6 +204,11 @@ class Proxy:
         timing = RequestTiming(arrival)
         if self.config.mode == "push":
             return await self._push_flow(path, body, tokens, timing)
+        if self.config.mode == "colocated":
+            node = select_decoder(self.decoders, self.decode_policy, tokens)
+            node.begin(tokens)
+            request = self.client.build_request("POST", node.url + path, json=body)
+            return await self._decode(node, asyncio.ensure_future(self._send(node, request)), body, tokens, timing)
 
         prefiller = select_prefiller(self.prefillers, self.prefill_policy, tokens)
         kv_params = await self._prefill(prefiller, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS))

@@ -63,4 +63,6 @@ def select_prefiller(prefillers: list[Node], policy, tokens: int) -> Node:
 
 
 def select_decoder(decoders: list[Node], policy, tokens: int) -> Node:
-    return _select(decoders, policy, tokens, "decode")
+    """The node that serves the answer: a decode node, or a colocated node in colocated mode."""
+    role = "colocated" if decoders and decoders[0].role == "both" else "decode"
+    return _select(decoders, policy, tokens, role)

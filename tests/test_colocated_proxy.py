@@ -1,0 +1,43 @@
+"""The proxy's colocated mode: load balancing over --role both nodes (the study's baseline)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from servers import metric, start_pdserve
+from test_pd_pull import MODEL, NODE, PROMPTS, client
+
+
+def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
+    nodes = [start_pdserve(["serve", "--role", "both", *NODE], tmp_path, f"both{i}") for i in range(2)]
+    proxy = start_pdserve(["proxy", "--mode", "colocated", "--node", *[n.url for n in nodes]], tmp_path, "proxy")
+    try:
+        expected = [client(nodes[0].url).completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+                    .choices[0].text for p in PROMPTS[:4]]
+        before = [metric(n.url, "pdserve:request_success_total", 'finish_reason="length"') for n in nodes]
+        c = client(proxy.url)
+        got = [c.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+               for p in PROMPTS[:4]]
+        assert got == expected
+        served = [metric(n.url, "pdserve:request_success_total", 'finish_reason="length"') - b
+                  for n, b in zip(nodes, before)]
+        assert served == [2, 2]  # round robin
+        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        assert httpx.get(proxy.url + "/health").json()["mode"] == "colocated"
+    finally:
+        for proc in (proxy, *nodes):
+            proc.stop()
+
+
+def test_proxy_flags_must_fit_the_mode():
+    for args, message in ((["--mode", "colocated"], "colocated mode takes --node"),
+                          (["--mode", "pull", "--prefill", "http://x"], "needs at least one --prefill and one --decode"),
+                          (["--mode", "colocated", "--node", "http://a", "--decode", "http://b"], "colocated mode")):
+        proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
