@@ -32,6 +32,7 @@ def engine_config_from_args(args: argparse.Namespace):
         hold_timeout_s=getattr(args, "kv_hold_timeout", 60.0),
         wait_timeout_s=getattr(args, "kv_wait_timeout", 30.0),
         load_failure_policy=getattr(args, "kv_load_failure_policy", "recompute"),
+        secret=getattr(args, "kv_secret", None),
     )
     return EngineConfig(
         kv_transfer=kv,
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="D gives up on a KV transfer after this many seconds")
     serve.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="D on a failed transfer: prefill locally, or answer an error")
+    serve.add_argument("--kv-secret", default=None,
+                       help="shared secret of the KV side channel (default: $PDSERVE_KV_SECRET)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--graceful-timeout", type=float, default=5.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

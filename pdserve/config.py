@@ -96,6 +96,7 @@ class KVTransferConfig:
     hold_timeout_s: float = 60.0  # P frees blocks nobody pulled after this
     wait_timeout_s: float = 30.0  # D gives up on a transfer after this
     load_failure_policy: str = "recompute"  # recompute (prefill locally) | fail (return an error)
+    secret: str | None = None  # shared by the cluster's P and D nodes; None = $PDSERVE_KV_SECRET
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -16,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from pdserve.kv.channel import SECRET_ENV
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
@@ -52,8 +55,9 @@ class Child:
         port = free_port()
         return cls(name, [*args, "--host", "127.0.0.1", "--port", str(port)], f"http://127.0.0.1:{port}", core, role)
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.args], preexec_fn=_child_setup(self.core))
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *self.args], preexec_fn=_child_setup(self.core),
+                                     env=env)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -62,10 +66,13 @@ class Child:
 @dataclass
 class Cluster:
     children: list[Child] = field(default_factory=list)
+    # One KV secret per cluster, handed to the nodes through the environment (not argv, which
+    # any local user can read in ps).
+    env: dict[str, str] = field(default_factory=lambda: {**os.environ, SECRET_ENV: secrets.token_hex(32)})
 
     def start(self, child: Child) -> None:
         self.children.append(child)
-        child.start()
+        child.start(self.env)
 
     def launch(self, children: list[Child], timeout_s: float) -> None:
         """Start children together and wait until every one is healthy."""

@@ -215,3 +215,22 @@ def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_si
             up.kill()
         for k in children_of(up.pid):
             os.kill(k, signal.SIGKILL)
+
+
+def test_mismatched_kv_secret_moves_no_block(tmp_path, cluster):
+    """P and D with different secrets: P refuses (and logs) the pull, D recomputes, nothing leaks."""
+    p = start_pdserve(["serve", "--role", "prefill", "--kv-secret", "alpha", *NODE], tmp_path, "p_alpha")
+    d = start_pdserve(["serve", "--role", "decode", "--kv-secret", "beta", *NODE], tmp_path, "d_beta")
+    proxy = start_pdserve(["proxy", "--prefill", p.url, "--decode", d.url], tmp_path, "proxy_mismatch")
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0}
+        got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        expected = httpx.post(cluster["both"].url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert got == expected  # D prefilled locally (recompute)
+        assert metric(d.url, "pdserve:kv_transfers_failed_total") == 1
+        assert metric(d.url, "pdserve:kv_transfer_bytes_total", 'direction="received"') == 0
+        assert "refused connection" in p.log()
+        assert wait_for_metric(p.url, "pdserve:kv_blocks_held", 0, timeout=5) > 0  # still held for its D
+    finally:
+        for proc in (proxy, d, p):
+            proc.stop()

@@ -21,6 +21,7 @@ import httpx
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request
+from pdserve.kv.channel import resolve_secret
 from pdserve.kv.params import is_push, wants_remote_decode, wants_remote_prefill
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadResult, LoadSpec
@@ -225,14 +226,15 @@ class KVConnectorWorker:
     def register_kv_caches(self, pool: KVPool) -> dict[str, Any]:
         """Attach the pool to the backends; returns this node's side channel address."""
         kv = self.config
+        secret = resolve_secret(kv.secret)
         if kv.is_producer:
-            self.sender = KVSender(pool, self.held, self.stats, kv.host, kv.port)
-            self.pusher = PushSender(pool, self.stats, kv.transport, kv.wait_timeout_s)
+            self.sender = KVSender(pool, self.held, self.stats, kv.host, kv.port, secret)
+            self.pusher = PushSender(pool, self.stats, kv.transport, kv.wait_timeout_s, secret)
             return {"remote_host": self.sender.host, "remote_port": self.sender.port, "remote_shm_name": pool.shm_name}
         if kv.is_consumer:
-            self.receiver = KVReceiver(pool, self.stats, kv.transport, kv.wait_timeout_s)
+            self.receiver = KVReceiver(pool, self.stats, kv.transport, kv.wait_timeout_s, secret)
             self.push_receiver = PushReceiver(pool, self.stats, kv.host, kv.port, self.receiver.results,
-                                              kv.wait_timeout_s)
+                                              kv.wait_timeout_s, secret)
             return {"remote_host": self.push_receiver.host, "remote_port": self.push_receiver.port,
                     "remote_shm_name": pool.shm_name}
         return {}

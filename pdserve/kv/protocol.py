@@ -1,5 +1,9 @@
 """Typed control messages of the KV side channel, framed as length-prefixed msgpack.
 
+Every connection starts with an HMAC-SHA256 challenge-response over the cluster's shared secret
+(`--kv-secret`), both ways, before any other message: a peer without the secret cannot read or
+write a block, and a node never sends KV to a peer that cannot prove it holds the secret.
+
 Pull, one TCP connection per transfer: D sends `PullRequest`; P answers `PullReply` (and, for the
 tcp transport, the block bytes right after it); D sends `PullDone` once the bytes are in place; P
 answers `Ack` after it has released its hold on the blocks.
@@ -78,7 +82,26 @@ class PushDone(msgspec.Struct, tag=True):
     nbytes: int = 0  # bytes written into D's pool (shm pushes send no per-layer messages)
 
 
-Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayer | PushDone
+class Challenge(msgspec.Struct, tag=True):
+    """Server -> client, first on every side-channel connection."""
+
+    nonce: bytes
+
+
+class Auth(msgspec.Struct, tag=True):
+    """Client -> server: proof of the shared secret, and a nonce for the server to prove itself."""
+
+    mac: bytes
+    nonce: bytes
+
+
+class AuthResult(msgspec.Struct, tag=True):
+    ok: bool
+    mac: bytes = b""  # the server's proof (mutual authentication)
+    error: str | None = None
+
+
+Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayer | PushDone | Challenge | Auth | AuthResult
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

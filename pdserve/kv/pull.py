@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pdserve.kv.channel import SideChannelServer, tune_socket
+from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.pool import KVPool, RemotePool
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
@@ -136,10 +136,10 @@ def recv_segments(sock: socket.socket, data: memoryview, segments: list[tuple[in
 class KVSender:
     """P's side channel server."""
 
-    def __init__(self, pool: KVPool, held: HeldBlocks, stats: KVStats, host: str, port: int) -> None:
+    def __init__(self, pool: KVPool, held: HeldBlocks, stats: KVStats, host: str, port: int, secret: bytes = b"") -> None:
         self.pool, self.held, self.stats = pool, held, stats
         self.data = pool.byte_view()
-        self.channel = SideChannelServer(host, port, "kv-sender", PullRequest, self._serve_pull)
+        self.channel = SideChannelServer(host, port, "kv-sender", PullRequest, self._serve_pull, secret)
         self.host, self.port = host, self.channel.port
 
     def _serve_pull(self, conn: socket.socket, req: PullRequest) -> None:
@@ -205,8 +205,10 @@ def is_loopback(host: str) -> bool:
 class KVReceiver:
     """D's loader."""
 
-    def __init__(self, pool: KVPool, stats: KVStats, transport: str, timeout_s: float, max_workers: int = 4) -> None:
+    def __init__(self, pool: KVPool, stats: KVStats, transport: str, timeout_s: float, secret: bytes = b"",
+                 max_workers: int = 4) -> None:
         self.pool, self.stats = pool, stats
+        self.secret = secret
         self.transport = transport
         self.timeout_s = timeout_s
         self.data = pool.byte_view()
@@ -238,8 +240,7 @@ class KVReceiver:
         self.results.put(LoadResult(spec.request_id, None, seconds, nbytes, transport))
 
     def _pull(self, spec: LoadSpec, transport: str) -> int:
-        with socket.create_connection((spec.remote_host, spec.remote_port), timeout=self.timeout_s) as sock:
-            tune_socket(sock)
+        with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
             send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport, self.pool.layout))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:

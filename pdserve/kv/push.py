@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pdserve.kv.channel import SideChannelServer, tune_socket
+from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.pool import KVPool, RemotePool, copy_block_runs
 from pdserve.kv.protocol import (
     Ack,
@@ -78,8 +78,9 @@ class PushSender:
     there (a memcpy is cheaper than handing it to a thread on a one-core node); tcp layers go to
     the sender thread, whose socket writes overlap the next layers' compute."""
 
-    def __init__(self, pool: KVPool, stats: KVStats, transport: str, timeout_s: float) -> None:
+    def __init__(self, pool: KVPool, stats: KVStats, transport: str, timeout_s: float, secret: bytes = b"") -> None:
         self.pool, self.stats = pool, stats
+        self.secret = secret
         self.transport = transport
         self.timeout_s = timeout_s
         self.data = pool.byte_view()
@@ -156,8 +157,7 @@ class PushSender:
         transport = self.transport
         if transport == "auto":
             transport = "shm" if target.shm_name and is_loopback(target.host) else "tcp"
-        sock = socket.create_connection((target.host, target.port), timeout=self.timeout_s)
-        tune_socket(sock)
+        sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
         send_msg(sock, PushBegin(target.request_id, transport, self.pool.layout))
         reply = recv_msg(sock)
@@ -242,13 +242,13 @@ class PushReceiver:
     """D's side channel for pushes."""
 
     def __init__(self, pool: KVPool, stats: KVStats, host: str, port: int, results: queue.SimpleQueue,
-                 drain_timeout_s: float = 30.0) -> None:
+                 drain_timeout_s: float = 30.0, secret: bytes = b"") -> None:
         self.pool, self.stats, self.results = pool, stats, results
         self.drain_timeout_s = drain_timeout_s
         self.data = pool.byte_view()
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
-        self.channel = SideChannelServer(host, port, "kv-push-recv", PushBegin, self._session)
+        self.channel = SideChannelServer(host, port, "kv-push-recv", PushBegin, self._session, secret)
         self.host, self.port = host, self.channel.port
 
     # -- engine thread --------------------------------------------------------------------------
