@@ -73,12 +73,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.models.loader import default_model_name
+    from pdserve.node.guards import resolve_api_key
     from pdserve.node.http import serve_app
     from pdserve.node.server import NodeServer
 
     start = time.perf_counter()
     engine = LLMEngine(engine_config_from_args(args))
-    server = NodeServer(engine, args.served_model_name or default_model_name(args.model))
+    server = NodeServer(engine, args.served_model_name or default_model_name(args.model),
+                        resolve_api_key(args.api_key), args.max_waiting, args.max_body_bytes)
     logging.getLogger("pdserve").info(
         "node (role %s) loaded in %.1f s; serving %s on http://%s:%d",
         args.role, time.perf_counter() - start, server.model_name, args.host, args.port,
@@ -90,13 +92,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
+    from pdserve.node.guards import resolve_api_key
     from pdserve.node.http import serve_app
     from pdserve.proxy.app import Proxy, ProxyConfig
 
     meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
     proxy = Proxy(ProxyConfig(args.prefill or [], args.decode or [], args.policy, args.mode, meta_url=meta_url,
-                              node_urls=args.node or []))
+                              node_urls=args.node or [], api_key=resolve_api_key(args.api_key),
+                              max_waiting=args.max_waiting))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -117,6 +121,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.benchmarks.serving import main as bench_main
 
     return bench_main(args)
+
+
+def add_guard_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=None,
+                        help="require Authorization: Bearer <key> on the API (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                        help="answer 429 (Retry-After) once N requests are waiting")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="D gives up on a KV transfer after this many seconds")
     serve.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="D on a failed transfer: prefill locally, or answer an error")
+    add_guard_args(serve)
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     serve.add_argument("--kv-secret", default=None,
                        help="shared secret of the KV side channel (default: $PDSERVE_KV_SECRET)")
     serve.add_argument("--served-model-name", default=None)
@@ -168,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
     proxy.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_guard_args(proxy)
     proxy.set_defaults(func=cmd_proxy)
 
     up = sub.add_parser("up", help="start proxy + prefill + decode nodes on this machine")
@@ -188,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_guard_args(up)
     up.set_defaults(func=cmd_up)
 
     bench = sub.add_parser("bench", help="online serving benchmark against any OpenAI-compatible server")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.kv.channel import SECRET_ENV
+from pdserve.node.guards import API_KEY_ENV
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
@@ -143,6 +144,8 @@ def run_up(args) -> int:
         for i, (role, core) in enumerate(zip(roles, cores))
     ]
     cluster = Cluster()
+    if args.api_key:  # every node and the proxy require it; the proxy sends it on
+        cluster.env[API_KEY_ENV] = args.api_key
     stop_requested = False
 
     def request_stop(signum, frame) -> None:
@@ -157,6 +160,8 @@ def run_up(args) -> int:
         cluster.launch(nodes, args.startup_timeout)
         proxy_args = ["proxy", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
                       "--log-level", args.log_level]
+        if args.max_waiting is not None:
+            proxy_args += ["--max-waiting", str(args.max_waiting)]
         if args.colocated:
             proxy_args += ["--mode", "colocated", "--node", *[n.url for n in nodes]]
         else:

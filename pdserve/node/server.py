@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.node.async_engine import AsyncEngine, EngineDeadError
+from pdserve.node.guards import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, GuardMiddleware, overloaded
 from pdserve.node.metrics import NodeMetrics
 from pdserve.node.openai_protocol import (
     ChatCompletionRequest,
@@ -39,13 +40,20 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
+                              429: "rate_limit_error"}.get(status, "server_error")
 
 
-def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     err = APIError(status, message, param, type_)
     body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def too_busy(waiting: int) -> JSONResponse:
+    return error_response(429, f"server busy: {waiting} requests already waiting; retry later",
+                          type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -72,9 +80,11 @@ def sse(data: dict[str, Any] | str) -> str:
 class NodeServer:
     """Binds an engine to the HTTP API; `app` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+                 max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        self.api_key, self.max_waiting, self.max_body_bytes = api_key, max_waiting, max_body_bytes
         self.metrics = NodeMetrics(engine)
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
         self.app = self._build_app()
@@ -89,6 +99,7 @@ class NodeServer:
             self.async_engine.stop()
 
         app = FastAPI(title="pdserve node", lifespan=lifespan)
+        app.add_middleware(GuardMiddleware, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
 
         @app.exception_handler(APIError)
         async def _api_error(_: Request, exc: APIError):
@@ -168,6 +179,9 @@ class NodeServer:
         return requested
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool):
+        waiting = len(self.engine.scheduler.waiting)
+        if overloaded(waiting, self.max_waiting):
+            return too_busy(waiting)
         kv_params = body.kv_transfer_params
         if kv_params is not None:
             if self.engine.connector is None:

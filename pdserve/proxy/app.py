@@ -32,7 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.node.server import error_response
+from pdserve.node.guards import GuardMiddleware, overloaded
+from pdserve.node.server import error_response, too_busy
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, select_decoder, select_prefiller
 
@@ -61,6 +62,8 @@ class ProxyConfig:
     meta_url: str = ""  # push: where decode nodes announce their blocks (this proxy's /v1/kv/meta)
     meta_timeout_s: float = 30.0
     node_urls: list[str] = field(default_factory=list)  # colocated mode
+    api_key: str | None = None  # clients must send it; the proxy also sends it to the nodes
+    max_waiting: int | None = None  # requests in flight past which the proxy answers 429
 
 
 class NodeError(Exception):
@@ -96,6 +99,7 @@ class Proxy:
         if config.mode == "push" and not config.meta_url:
             raise ValueError("push mode needs the URL of this proxy's meta endpoint")
         self._announcements: dict[str, asyncio.Future] = {}  # push: proxy request id -> D's blocks
+        self.inflight = 0
         self.config = config
         self.prefillers = [Node(u.rstrip("/"), "prefill") for u in config.prefill_urls]
         # Colocated nodes serve whole requests: they take the decoders' place in the relay.
@@ -113,7 +117,8 @@ class Proxy:
         async def lifespan(_: FastAPI):
             timeout = httpx.Timeout(self.config.request_timeout_s, connect=10.0)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+            async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
                 self.client = client
                 poller = asyncio.create_task(self._poll_node_load())
                 try:
@@ -122,6 +127,7 @@ class Proxy:
                     poller.cancel()
 
         app = FastAPI(title="pdserve proxy", lifespan=lifespan)
+        app.add_middleware(GuardMiddleware, api_key=self.config.api_key)
 
         @app.exception_handler(NodeError)
         async def _node_error(_: Request, exc: NodeError):
@@ -187,6 +193,15 @@ class Proxy:
     # -- the flow -------------------------------------------------------------------------------
 
     async def handle(self, raw: Request, path: str):
+        if overloaded(self.inflight, self.config.max_waiting):
+            return too_busy(self.inflight)
+        self.inflight += 1
+        try:
+            return await self._handle(raw, path)
+        finally:
+            self.inflight -= 1
+
+    async def _handle(self, raw: Request, path: str):
         arrival = time.perf_counter()
         try:
             body = json.loads(await raw.body())
