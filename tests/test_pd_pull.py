@@ -234,3 +234,19 @@ def test_mismatched_kv_secret_moves_no_block(tmp_path, cluster):
     finally:
         for proc in (proxy, d, p):
             proc.stop()
+
+
+def test_dead_prefill_node_is_skipped_and_leaves_rotation(tmp_path, cluster):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = start_pdserve(["proxy", "--prefill", dead, cluster["p"].url, "--decode", cluster["d_tcp"].url],
+                          tmp_path, "proxy_dead_p")
+    try:
+        c = client(proxy.url)
+        for p in PROMPTS[:3]:  # round robin would pick the dead P for some: the proxy retries on the live one
+            out = c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
+            assert out.usage.completion_tokens == 4
+        nodes = {n["url"]: n for n in httpx.get(proxy.url + "/v1/nodes").json()["nodes"]}
+        assert nodes[dead]["healthy"] is False and nodes[dead]["served"] == 0
+        assert nodes[cluster["p"].url]["healthy"] is True and nodes[cluster["p"].url]["served"] == 3
+    finally:
+        proxy.stop()

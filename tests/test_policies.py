@@ -27,3 +27,14 @@ def test_least_loaded_weighs_tokens_and_kv_usage():
 def test_no_healthy_node_is_a_clear_error():
     with pytest.raises(NoHealthyNode, match="no healthy decode node"):
         select_decoder([Node("a", "decode", healthy=False)], RoundRobin(), 1)
+
+
+def test_node_leaves_rotation_after_consecutive_failed_checks_and_comes_back():
+    node = Node("a", "prefill")
+    node.record_check(False, max_failures=3)
+    node.record_check(False, max_failures=3)
+    assert node.healthy  # two failures: still in rotation
+    node.record_check(False, max_failures=3)
+    assert not node.healthy
+    node.record_check(True, max_failures=3)
+    assert node.healthy and node.failures == 0

@@ -47,7 +47,7 @@ PULL_PREFILL_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
-LOAD_POLL_S = 1.0
+HEALTH_TIMEOUT_S = 2.0
 # Fields that only make sense for the streamed answer, not for P's one-token prefill request.
 _DECODE_ONLY_FIELDS = ("stream_options", "max_completion_tokens")
 
@@ -64,14 +64,16 @@ class ProxyConfig:
     node_urls: list[str] = field(default_factory=list)  # colocated mode
     api_key: str | None = None  # clients must send it; the proxy also sends it to the nodes
     max_waiting: int | None = None  # requests in flight past which the proxy answers 429
+    health_interval_s: float = 1.0
+    max_health_failures: int = 3  # failed checks in a row before a node leaves rotation
 
 
 class NodeError(Exception):
     """A node answered an error (or could not be reached); relayed with an OpenAI error body."""
 
-    def __init__(self, status: int, body: bytes | dict, node: str) -> None:
+    def __init__(self, status: int, body: bytes | dict, node: str, unreachable: bool = False) -> None:
         super().__init__(f"{node} answered {status}")
-        self.status, self.body, self.node = status, body, node
+        self.status, self.body, self.node, self.unreachable = status, body, node, unreachable
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
@@ -150,6 +152,12 @@ class Proxy:
             response = await self.client.get(node.url + "/v1/models")
             return Response(response.content, status_code=response.status_code, media_type="application/json")
 
+        @app.get("/v1/nodes")
+        async def nodes():
+            return {"nodes": [{"url": n.url, "role": n.role, "healthy": n.healthy, "active_requests": n.active_requests,
+                               "active_tokens": n.active_tokens, "kv_usage": n.kv_usage, "served": n.served}
+                              for n in self.prefillers + self.decoders]}
+
         @app.get("/metrics")
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -178,17 +186,22 @@ class Proxy:
         return app
 
     async def _poll_node_load(self) -> None:
-        """Keep each node's KV usage fresh for `least_loaded` (read from the node's /metrics)."""
+        """Health-check every node (/health) and keep its KV usage fresh for `least_loaded`."""
         while True:
             for node in self.prefillers + self.decoders:
+                was_healthy = node.healthy
                 try:
-                    text = (await self.client.get(node.url + "/metrics", timeout=2.0)).text
+                    ok = (await self.client.get(node.url + "/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+                    text = (await self.client.get(node.url + "/metrics", timeout=HEALTH_TIMEOUT_S)).text if ok else ""
                 except httpx.HTTPError:
-                    continue
+                    ok, text = False, ""
+                node.record_check(ok, self.config.max_health_failures)
+                if node.healthy != was_healthy:
+                    logger.warning("%s node %s %s", node.role, node.url, "is back" if node.healthy else "left rotation")
                 used, total = _sample(text, "pdserve:kv_blocks_used"), _sample(text, "pdserve:kv_blocks_total")
                 if total:
                     node.kv_usage = used / total
-            await asyncio.sleep(LOAD_POLL_S)
+            await asyncio.sleep(self.config.health_interval_s)
 
     # -- the flow -------------------------------------------------------------------------------
 
@@ -225,8 +238,7 @@ class Proxy:
             request = self.client.build_request("POST", node.url + path, json=body)
             return await self._decode(node, asyncio.ensure_future(self._send(node, request)), body, tokens, timing)
 
-        prefiller = select_prefiller(self.prefillers, self.prefill_policy, tokens)
-        kv_params = await self._prefill(prefiller, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS))
+        kv_params = await self._prefill_with_retry(path, body, tokens, timing)
         decoder = select_decoder(self.decoders, self.decode_policy, tokens)
         request = self.client.build_request("POST", decoder.url + path, json={**body, "kv_transfer_params": kv_params})
         decoder.begin(tokens)
@@ -255,11 +267,27 @@ class Proxy:
                 await self._prefill(prefiller, path, body, tokens, timing, p_params)
             except BaseException:
                 await _discard(d_answer)  # closing our D request aborts it there, and frees its blocks
-                decoder.end(tokens)
+                decoder.end(tokens, ok=False)
                 raise
             return await self._decode(decoder, d_answer, body, tokens, timing)
         finally:
             self._announcements.pop(proxy_request_id, None)
+
+    async def _prefill_with_retry(self, path: str, body: dict, tokens: int, timing: RequestTiming) -> dict:
+        """Pull: prefill on a P; if it cannot be reached, take it out of rotation and try another."""
+        tried: set[str] = set()
+        while True:
+            prefiller = select_prefiller([n for n in self.prefillers if n.url not in tried], self.prefill_policy, tokens)
+            try:
+                return await self._prefill(prefiller, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS))
+            except NodeError as exc:
+                if not exc.unreachable:
+                    raise
+                tried.add(prefiller.url)
+                prefiller.healthy = False  # the health checks bring it back
+                logger.warning("prefill node %s unreachable; retrying elsewhere", prefiller.url)
+                if all(n.url in tried or not n.healthy for n in self.prefillers):
+                    raise
 
     async def _send(self, node: Node, request: httpx.Request) -> httpx.Response:
         try:
@@ -272,10 +300,11 @@ class Proxy:
         p_body = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
         p_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params)
         node.begin(tokens)
+        response = None
         try:
             response = await self._post(node, path, p_body)
         finally:
-            node.end(tokens)
+            node.end(tokens, ok=response is not None and response.status_code == 200)
         timing.prefill_done = time.perf_counter()
         timing.node_queue_s = float(response.headers.get("x-pdserve-queue-ms", 0)) / 1e3
         if response.status_code != 200:
@@ -292,13 +321,13 @@ class Proxy:
         """Relay D's answer (already requested; `node.begin` already counted it)."""
         if timeout and not answer.done():
             await _discard(answer)
-            node.end(tokens)
+            node.end(tokens, ok=False)
             raise NodeError(504, _error_body(f"decode node {node.url} did not announce its KV blocks in time", 504),
                             node.url)
         try:
             response = await answer
         except BaseException:
-            node.end(tokens)
+            node.end(tokens, ok=False)
             raise
         kv_wait = float(response.headers.get("x-pdserve-kv-load-ms", 0)) / 1e3
         if self.config.mode == "push":  # D waited through P's whole prefill: count only what was exposed
@@ -307,7 +336,7 @@ class Proxy:
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
-            node.end(tokens)
+            node.end(tokens, ok=False)
             raise NodeError(response.status_code, content, node.url)
         if not body.get("stream"):
             try:
@@ -337,7 +366,9 @@ class Proxy:
         try:
             return await self.client.post(node.url + path, json=body)
         except httpx.HTTPError as exc:
-            raise NodeError(502, _error_body(f"{node.role} node {node.url} unreachable: {exc}"), node.url) from exc
+            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            raise NodeError(502, _error_body(f"{node.role} node {node.url} unreachable: {exc}"), node.url,
+                            unreachable) from exc
 
 
 @dataclass

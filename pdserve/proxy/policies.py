@@ -15,15 +15,21 @@ class Node:
     active_tokens: int = 0  # estimated prompt + generation tokens of requests in flight
     kv_usage: float = 0.0  # fraction of the node's KV blocks in use (from its /metrics)
     served: int = 0
+    failures: int = 0  # consecutive failed health checks
+
+    def record_check(self, ok: bool, max_failures: int) -> None:
+        """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""
+        self.failures = 0 if ok else self.failures + 1
+        self.healthy = ok or (self.healthy and self.failures < max_failures)
 
     def begin(self, tokens: int) -> None:
         self.active_requests += 1
         self.active_tokens += tokens
 
-    def end(self, tokens: int) -> None:
+    def end(self, tokens: int, ok: bool = True) -> None:
         self.active_requests -= 1
         self.active_tokens -= tokens
-        self.served += 1
+        self.served += ok
 
 
 @dataclass
