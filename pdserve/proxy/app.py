@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.node.guards import GuardMiddleware, overloaded
 from pdserve.node.server import error_response, too_busy
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, select_decoder, select_prefiller
+from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder, select_prefiller
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,11 @@ class Proxy:
 
         @app.get("/v1/models")
         async def models():
-            node = self.decoders[0]
-            response = await self.client.get(node.url + "/v1/models")
+            node = select_decoder(self.decoders, RoundRobin(), 0)  # the first healthy one
+            try:
+                response = await self.client.get(node.url + "/v1/models")
+            except httpx.HTTPError as exc:
+                return error_response(502, f"{node.role} node {node.url} unreachable: {exc}", type_="upstream_error")
             return Response(response.content, status_code=response.status_code, media_type="application/json")
 
         @app.get("/v1/nodes")
