@@ -116,6 +116,14 @@ class LLMEngine:
             )
         return ids
 
+    def check_kv_transfer_params(self, params: dict | None, num_prompt_tokens: int) -> None:
+        """InvalidParameter if this node cannot act on the proxy's kv_transfer_params."""
+        if params is None:
+            return
+        if self.connector is None:
+            raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
+        self.connector.validate(params, num_prompt_tokens)
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -124,10 +132,7 @@ class LLMEngine:
         kv_transfer_params: dict | None = None,
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
-        if kv_transfer_params is not None:
-            if self.connector is None:
-                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
-            self.connector.validate(kv_transfer_params, len(token_ids))
+        self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -183,10 +183,7 @@ class NodeServer:
         if overloaded(waiting, self.max_waiting):
             return too_busy(waiting)
         kv_params = body.kv_transfer_params
-        if kv_params is not None:
-            if self.engine.connector is None:
-                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
-            self.engine.connector.validate(kv_params, len(prompt_ids))
+        self.engine.check_kv_transfer_params(kv_params, len(prompt_ids))  # 400 now, not on the engine thread
         outputs = self.async_engine.generate(request_id, prompt_ids, params, kv_params)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP
         # error, and the stage timings can go into the response headers.
