@@ -38,6 +38,7 @@ class RequestResult:
     itls_ms: list[float] = field(default_factory=list)
     error: str = ""
     start: float = 0.0  # seconds since the run began
+    stages_ms: dict[str, float] = field(default_factory=dict)  # pdserve's x-pdserve-*-ms headers, if any
 
     @property
     def tpot_ms(self) -> float:
@@ -135,6 +136,7 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
+            result.stages_ms = stage_headers(response.headers)
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
@@ -163,6 +165,18 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def stage_headers(headers: httpx.Headers) -> dict[str, float]:
+    """`x-pdserve-queue-ms: 12.5` -> {"queue": 12.5}: where a pdserve request's time went."""
+    out = {}
+    for key, value in headers.items():
+        if key.startswith("x-pdserve-") and key.endswith("-ms"):
+            try:
+                out[key[len("x-pdserve-"):-len("-ms")]] = float(value)
+            except ValueError:
+                pass
+    return out
 
 
 async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, model: str | None, rate: float,
@@ -252,6 +266,8 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     out["ttfts"] = [r.ttft_ms / 1e3 for r in results]
     out["itls"] = [[x / 1e3 for x in r.itls_ms] for r in results]
     out["start_times"] = [r.start for r in results]
+    out["e2els"] = [r.e2el_ms / 1e3 for r in results]
+    out["stages_ms"] = [r.stages_ms for r in results]
     out["errors"] = [r.error for r in results]
     return out
 

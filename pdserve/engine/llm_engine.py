@@ -130,6 +130,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
         self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
@@ -142,7 +143,7 @@ class LLMEngine:
             generator = torch.Generator(device=self.config.device).manual_seed(seed)
         req = Request(
             request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer),
-            self.eos_token_ids, self.max_model_len, generator, kv_transfer_params,
+            self.eos_token_ids, self.max_model_len, generator, kv_transfer_params, arrival_time,
         )
         self.scheduler.add(req)
         return req

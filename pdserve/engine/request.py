@@ -66,6 +66,7 @@ class Request:
         max_model_len: int,
         generator: torch.Generator | None,
         kv_transfer_params: dict[str, Any] | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -80,7 +81,8 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        # Arrival is when the server got the request (it may wait for the engine's step to end).
+        self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
         # PD disaggregation: what the proxy asked (kv_transfer_params in), what P answers (out).
         self.kv_transfer_params = kv_transfer_params
         self.kv_transfer_params_out: dict[str, Any] | None = None

@@ -11,7 +11,8 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -34,6 +35,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer_params: dict[str, Any] | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)  # counts the wait for a step to end
 
 
 @dataclass
@@ -150,6 +152,7 @@ class AsyncEngine:
             if stream is None:  # the client left before the request reached the engine
                 continue
             try:
-                self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.kv_transfer_params)
+                self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.kv_transfer_params,
+                                        cmd.arrival_time)
             except ValueError as exc:
                 stream.put(exc)

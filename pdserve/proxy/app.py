@@ -309,7 +309,8 @@ class Proxy:
         finally:
             node.end(tokens, ok=response is not None and response.status_code == 200)
         timing.prefill_done = time.perf_counter()
-        timing.node_queue_s = float(response.headers.get("x-pdserve-queue-ms", 0)) / 1e3
+        timing.node_queue_s = _header_s(response, "x-pdserve-queue-ms")
+        timing.prefill_s = max(timing.prefill_done - timing.arrival - timing.node_queue_s, 0.0)
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
         returned = response.json().get("kv_transfer_params")
@@ -332,8 +333,12 @@ class Proxy:
         except BaseException:
             node.end(tokens, ok=False)
             raise
-        kv_wait = float(response.headers.get("x-pdserve-kv-load-ms", 0)) / 1e3
-        if self.config.mode == "push":  # D waited through P's whole prefill: count only what was exposed
+        kv_wait = _header_s(response, "x-pdserve-kv-load-ms")
+        if self.config.mode == "colocated":  # one node did it all: take its own queue and prefill split
+            timing.node_queue_s = _header_s(response, "x-pdserve-queue-ms")
+            timing.prefill_s = max(_header_s(response, "x-pdserve-ttft-ms") - timing.node_queue_s, 0.0)
+            timing.prefill_done = timing.arrival + timing.node_queue_s + timing.prefill_s
+        elif self.config.mode == "push":  # D waited through P's whole prefill: count only what was exposed
             kv_wait = max(kv_wait - ((timing.prefill_done or timing.arrival) - timing.arrival), 0.0)
         timing.transfer_s = kv_wait
         if response.status_code != 200:
@@ -349,8 +354,9 @@ class Proxy:
                 node.end(tokens)
             timing.done = time.perf_counter()
             self.metrics.observe(timing)
-            return Response(content, media_type="application/json")
-        return StreamingResponse(self._relay(response, node, tokens, timing), media_type="text/event-stream")
+            return Response(content, media_type="application/json", headers=timing.stage_headers())
+        return StreamingResponse(self._relay(response, node, tokens, timing), media_type="text/event-stream",
+                                 headers=timing.stage_headers())
 
     async def _relay(self, response: httpx.Response, node: Node, tokens: int, timing: RequestTiming) -> AsyncIterator[bytes]:
         """D's SSE bytes, passed on as they come; closing either side closes the other."""
@@ -381,9 +387,16 @@ class RequestTiming:
     arrival: float
     prefill_done: float | None = None
     node_queue_s: float = 0.0  # time in P's waiting queue (P's x-pdserve-queue-ms)
-    transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms)
+    prefill_s: float = 0.0  # P's prefill after its queue (colocated: the node's TTFT after its queue)
+    transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms); push: only what was exposed
     first_byte: float | None = None
     done: float | None = None
+
+    def stage_headers(self) -> dict[str, str]:
+        """The stages known when the answer starts, for clients that draw per-request timelines."""
+        return {"x-pdserve-queue-ms": f"{self.node_queue_s * 1e3:.3f}",
+                "x-pdserve-prefill-ms": f"{self.prefill_s * 1e3:.3f}",
+                "x-pdserve-kv-load-ms": f"{self.transfer_s * 1e3:.3f}"}
 
 
 async def _discard(answer: asyncio.Future) -> None:
@@ -392,6 +405,14 @@ async def _discard(answer: asyncio.Future) -> None:
         answer.cancel()
     elif not answer.cancelled() and answer.exception() is None:
         await answer.result().aclose()
+
+
+def _header_s(response: httpx.Response, name: str) -> float:
+    """A node's `x-pdserve-*-ms` timing header, in seconds (0 when absent)."""
+    try:
+        return float(response.headers.get(name, 0)) / 1e3
+    except ValueError:
+        return 0.0
 
 
 def _sample(metrics_text: str, name: str) -> float:

@@ -36,6 +36,6 @@ class ProxyMetrics:
         self.e2e.observe(t.done - t.arrival)
         prefill_end = t.prefill_done if t.prefill_done is not None else t.arrival
         self.stage.labels(stage="queue").observe(t.node_queue_s)
-        self.stage.labels(stage="prefill").observe(max(prefill_end - t.arrival - t.node_queue_s, 0.0))
+        self.stage.labels(stage="prefill").observe(t.prefill_s)
         self.stage.labels(stage="transfer").observe(t.transfer_s)
         self.stage.labels(stage="decode").observe(max(t.done - prefill_end - t.transfer_s, 0.0))
