@@ -100,7 +100,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
     proxy = Proxy(ProxyConfig(args.prefill or [], args.decode or [], args.policy, args.mode, meta_url=meta_url,
                               node_urls=args.node or [], api_key=resolve_api_key(args.api_key),
-                              max_waiting=args.max_waiting))
+                              max_waiting=args.max_waiting, nodes_file=args.nodes_file))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--mode", default="pull", choices=["pull", "push", "colocated"],
                        help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
                             "colocated: load-balance --role both nodes")
+    proxy.add_argument("--nodes-file", default=None, metavar="JSON",
+                       help='nodes to route to, re-read when it changes: {"prefill": [URL...], "decode": [URL...]} '
+                            '(colocated: {"node": [URL...]}); adds to --prefill / --decode / --node')
     proxy.add_argument("--meta-url", default=None,
                        help="push: the URL decode nodes use to announce blocks (default: this proxy's /v1/kv/meta)")
     proxy.add_argument("--host", default="127.0.0.1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -155,21 +156,6 @@ def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
         d.stop()
 
 
-def test_hold_timeout_frees_blocks_nobody_pulls(tmp_path):
-    p = start_pdserve(["serve", "--role", "prefill", "--kv-hold-timeout", "1", *NODE], tmp_path, "p_hold")
-    try:
-        body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True}}
-        out = httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()
-        held = len(out["kv_transfer_params"]["remote_block_ids"])
-        assert held > 0 and metric(p.url, "pdserve:kv_blocks_held") == held
-        assert wait_for_metric(p.url, "pdserve:kv_blocks_held", 0, timeout=5) == 0
-        assert metric(p.url, "pdserve:kv_hold_expired_total") == 1
-        assert metric(p.url, "pdserve:kv_blocks_used") == 0
-    finally:
-        p.stop()
-
-
 def children_of(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
@@ -248,5 +234,72 @@ def test_dead_prefill_node_is_skipped_and_leaves_rotation(tmp_path, cluster):
         nodes = {n["url"]: n for n in httpx.get(proxy.url + "/v1/nodes").json()["nodes"]}
         assert nodes[dead]["healthy"] is False and nodes[dead]["served"] == 0
         assert nodes[cluster["p"].url]["healthy"] is True and nodes[cluster["p"].url]["served"] == 3
+    finally:
+        proxy.stop()
+
+
+def test_dead_decode_node_is_skipped_and_leaves_rotation(tmp_path, cluster):
+    """Nothing streamed yet: a D that cannot be reached is taken out and another D answers."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = start_pdserve(["proxy", "--prefill", cluster["p"].url, "--decode", dead, cluster["d_tcp"].url],
+                          tmp_path, "proxy_dead_d")
+    try:
+        c = client(proxy.url)
+        for stream in (False, True, False):
+            out = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, stream=stream)
+            chunks = list(out) if stream else [out]
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        nodes = {n["url"]: n for n in httpx.get(proxy.url + "/v1/nodes").json()["nodes"]}
+        assert nodes[dead]["healthy"] is False and nodes[dead]["served"] == 0
+        assert nodes[cluster["d_tcp"].url]["served"] == 3
+    finally:
+        proxy.stop()
+
+
+def test_admin_api_and_nodes_file_change_membership_at_run_time(tmp_path, cluster):
+    p, d_shm, d_tcp = cluster["p"].url, cluster["d_shm"].url, cluster["d_tcp"].url
+    nodes_file = tmp_path / "nodes.json"
+    nodes_file.write_text(json.dumps({"prefill": [p], "decode": [d_tcp]}))
+    proxy = start_pdserve(["proxy", "--nodes-file", str(nodes_file), "--api-key", "sesame"], tmp_path, "proxy_admin")
+    key = {"Authorization": "Bearer sesame"}
+    listed = lambda: {(n["role"], n["url"]) for n in httpx.get(proxy.url + "/v1/nodes", headers=key).json()["nodes"]}  # noqa: E731
+    try:
+        assert listed() == {("prefill", p), ("decode", d_tcp)}
+        admin = proxy.url + "/v1/admin/nodes"
+        assert httpx.post(admin, json={"url": d_shm, "role": "decode"}).status_code == 401
+        r = httpx.post(admin, json={"url": d_shm, "role": "decode"}, headers=key)
+        assert r.status_code == 201 and r.json()["url"] == d_shm
+        assert httpx.post(admin, json={"url": d_shm, "role": "decode"}, headers=key).status_code == 409
+        bad = httpx.post(admin, json={"url": d_shm, "role": "both"}, headers=key)
+        assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
+        assert httpx.post(admin, json={"url": "not a url", "role": "decode"}, headers=key).status_code == 400
+        assert httpx.request("DELETE", admin, params={"url": d_tcp}, headers=key).status_code == 200
+        assert httpx.request("DELETE", admin, params={"url": d_tcp}, headers=key).status_code == 404
+        assert listed() == {("prefill", p), ("decode", d_shm)}
+        body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 3, "temperature": 0}
+        for _ in range(2):
+            assert httpx.post(proxy.url + "/v1/completions", json=body, headers=key, timeout=60).status_code == 200
+        served = {n["url"]: n["served"] for n in httpx.get(proxy.url + "/v1/nodes", headers=key).json()["nodes"]}
+        assert served[d_shm] == 2
+        # The file changes: d_tcp comes back, the prefill node listed there stays.
+        nodes_file.write_text(json.dumps({"prefill": [p], "decode": [d_tcp, d_shm]}))
+        deadline = time.monotonic() + 10
+        while listed() != {("prefill", p), ("decode", d_tcp), ("decode", d_shm)} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert listed() == {("prefill", p), ("decode", d_tcp), ("decode", d_shm)}
+        nodes_file.write_text("{not json")  # a broken file is logged and ignored
+        time.sleep(2.5)
+        assert len(listed()) == 3 and "keeping the current nodes" in proxy.log()
+    finally:
+        proxy.stop()
+
+
+def test_admin_api_is_shut_without_an_api_key(tmp_path, cluster):
+    proxy = start_pdserve(["proxy", "--prefill", cluster["p"].url, "--decode", cluster["d_tcp"].url], tmp_path,
+                          "proxy_open")
+    try:
+        r = httpx.post(proxy.url + "/v1/admin/nodes", json={"url": cluster["d_shm"].url, "role": "decode"})
+        assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
+        assert len(httpx.get(proxy.url + "/v1/nodes").json()["nodes"]) == 2
     finally:
         proxy.stop()

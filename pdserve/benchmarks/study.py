@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import statistics
 import subprocess
@@ -153,8 +154,14 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
 
 
 def knee_rate(points: list[dict], threshold: float = 0.9) -> int:
-    """Index of the first rate where attainment drops below the threshold (else the last rate)."""
-    return next((i for i, p in enumerate(points) if p["slo_attainment"] < threshold), len(points) - 1)
+    """Index of the lowest rate from which attainment stays below the threshold (else the last
+    rate): a single noisy low-rate point (20 requests) does not count as the fall."""
+    knee = len(points) - 1
+    for i in reversed(range(len(points))):
+        if points[i]["slo_attainment"] >= threshold:
+            break
+        knee = i
+    return knee
 
 
 # -- plots ---------------------------------------------------------------------------------------
@@ -265,18 +272,18 @@ def targets(res: dict) -> dict:
 def markdown(res: dict, args, files: dict[str, str]) -> str:
     idle, slos, t = res["idle"], res["slos_ms"], res["targets"]
     lines = [
-        f"Command: `python -m pdserve.benchmarks.study --rates {' '.join(map(str, args.rates))} "
-        f"--seconds-per-rate {args.seconds_per_rate}` ({time.strftime('%Y-%m-%d')}, {args.dtype}, this 2-core "
+        f"Command: `python -m pdserve.benchmarks.study --rates {' '.join(f'{r:g}' for r in res['rates'])} "
+        f"--seconds-per-rate {res.get('seconds_per_rate', args.seconds_per_rate):g}` ({time.strftime('%Y-%m-%d')}, {args.dtype}, this 2-core "
         "machine, one core per node, the client and proxy unpinned).",
         "",
         f"Workload: `mixed`, 90 % {SHORT_INPUT}->{SHORT_OUTPUT} and 10 % {LONG_INPUT}->{LONG_OUTPUT} random-token "
-        f"prompts, Poisson arrivals, max(20, rate x {args.seconds_per_rate:g} s) requests per rate, a fresh seed per "
+        f"prompts, Poisson arrivals, max(20, rate x {res.get('seconds_per_rate', args.seconds_per_rate):g} s) requests per rate, a fresh seed per "
         "rate (no prefix-cache hits), the same prompts for every setup.",
         "",
         f"SLO rule: one `--role both` node on one idle core gives TTFT {idle['ttft_long_ms']:.0f} ms for a "
         f"{LONG_INPUT}-token prompt ({idle['ttft_short_ms']:.0f} ms for {SHORT_INPUT}) and a decode step of "
-        f"{idle['decode_step_ms']:.1f} ms. TTFT SLO = {args.ttft_scale:g} x {idle['ttft_long_ms']:.0f} = "
-        f"**{slos['ttft_ms']:.0f} ms**; TPOT SLO = {args.tpot_scale:g} x {idle['decode_step_ms']:.1f} = "
+        f"{idle['decode_step_ms']:.1f} ms. TTFT SLO = {slos['ttft_ms'] / idle['ttft_long_ms']:g} x {idle['ttft_long_ms']:.0f} = "
+        f"**{slos['ttft_ms']:.0f} ms**; TPOT SLO = {slos['tpot_ms'] / idle['decode_step_ms']:g} x {idle['decode_step_ms']:.1f} = "
         f"**{slos['tpot_ms']:.1f} ms**. Goodput = requests per second that met both.",
         "",
         "| setup | rate (req/s) | done | throughput (req/s) | output (tok/s) | TTFT p50 / p99 (ms) | "
@@ -291,8 +298,8 @@ def markdown(res: dict, args, files: dict[str, str]) -> str:
                 f"{p['p99_ttft_ms']:.0f} | {p['median_tpot_ms']:.1f} / {p['p99_tpot_ms']:.1f} | "
                 f"{p['slo_attainment'] * 100:.0f} % | {p['request_goodput']:.2f} |")
     fmt = lambda x: "–" if x is None else f"{x:.2f}x"  # noqa: E731
-    lines += ["", f"Targets, at {t['knee_rate']:g} req/s (the first rate where (a) falls below 90 % attainment, "
-              "or the highest rate if it never does):", ""]
+    lines += ["", f"Targets, at {t['knee_rate']:g} req/s (the lowest rate from which (a) stays below 90 % "
+              "attainment, or the highest rate if it never falls):", ""]
     for pd in ("c", "d"):
         if f"p99_tpot_{pd}_over_idle_step" in t:
             ratios = ", ".join(f"{r:.2f}x" for r in t[f"p99_tpot_{pd}_over_idle_step"])
@@ -316,17 +323,29 @@ def main() -> None:
     parser.add_argument("--tpot-scale", type=float, default=1.5)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="docs/results/study.json")
+    parser.add_argument("--from-json", default=None, metavar="PATH",
+                        help="redo the plots and the report from an earlier run's JSON instead of measuring")
     args = parser.parse_args()
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        finish(res, args)
+        return
 
     idle = idle_latencies(args.dtype)
     slos = {"ttft_ms": args.ttft_scale * idle["ttft_long_ms"], "tpot_ms": args.tpot_scale * idle["decode_step_ms"]}
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
-    res: dict = {"idle": idle, "slos_ms": slos, "rates": args.rates, "setups": {}}
+    res: dict = {"idle": idle, "slos_ms": slos, "rates": args.rates, "seconds_per_rate": args.seconds_per_rate,
+                 "setups": {}}
     for key in args.setups:
         setup = SETUPS[key]
         res["setups"][key] = {"label": setup.label, "up_args": list(setup.up_args),
                               "points": run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts,
                                                   args.dtype, slos)}
+    finish(res, args)
+
+
+def finish(res: dict, args) -> None:
+    """Targets, plots, JSON and the docs section of a finished run."""
     first = res["setups"].get("a") or next(iter(res["setups"].values()))
     res["knee_index"] = knee_rate(first["points"])
     res["targets"] = targets(res)

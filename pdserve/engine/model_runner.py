@@ -7,7 +7,7 @@ import torch
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.kv.pool import KVPool
-from pdserve.models.attention import AttentionMetadata, PrefillChunk
+from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.models.llama import LayerHook, LlamaForCausalLM
 
 
@@ -25,8 +25,10 @@ class ModelRunner:
         """Compute the scheduled tokens; return the sampled next token of each request that samples."""
         if not out.scheduled:
             return {}
-        # Decodes (one new token on top of a cached context) first: they share one batched SDPA.
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1 or s.request.num_computed_tokens == 0)
+        # Decodes (one new token on top of a cached context) first, shortest context first: they
+        # share batched SDPAs by groups of similar length.
+        batch = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1 or s.request.num_computed_tokens == 0,
+                                                     s.request.num_computed_tokens))
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
         samplers = [s for s in batch if s.samples]
@@ -63,15 +65,31 @@ class ModelRunner:
                 first = len(ids) - n
                 cached = table.to(dev) if start > 0 else None
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            meta.num_decode_tokens = len(decode_tables)
-            meta.decode_block_tables = tables
-            # Additive mask (0 / -inf) over the padded context, built once for all layers.
-            visible = torch.arange(width * bs, device=dev) < lens.unsqueeze(1)
-            mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev)
-            meta.decode_mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
+                                 num_decode_tokens=len(decode_tables))
+        for start, end in decode_groups(decode_lens):
+            meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
+
+    def _decode_group(self, start: int, end: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        bs, dev = self.block_size, self.device
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        # Additive mask (0 / -inf) over the padded context, built once for all layers.
+        visible = torch.arange(width * bs, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)
+        mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+        return DecodeGroup(start, end, padded, mask[:, None, None, :])
+
+
+MIN_GROUP_CONTEXT = 512  # below this, one more SDPA costs more than the padding it saves
+
+
+def decode_groups(lens: list[int]) -> list[tuple[int, int]]:
+    """Split decodes sorted by context length into [start, end) runs whose longest context is at
+    most twice the shortest (or under MIN_GROUP_CONTEXT): padding costs at most 2x per run."""
+    groups, start = [], 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or (lens[i] > 2 * lens[start] and lens[i] > MIN_GROUP_CONTEXT):
+            groups.append((start, i))
+            start = i
+    return groups

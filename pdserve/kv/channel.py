@@ -84,9 +84,9 @@ def connect(host: str, port: int, timeout_s: float, secret: bytes) -> socket.soc
 
 class SideChannelServer:
     """Accepts connections on (host, port) and serves each on its own thread: the first message
-    must be of `opening` type, then `handle(conn, message)` owns the connection."""
+    must be of an `opening` type, then `handle(conn, message)` owns the connection."""
 
-    def __init__(self, host: str, port: int, name: str, opening: type, handle: Callable[[socket.socket, Message], None],
+    def __init__(self, host: str, port: int, name: str, opening: type | tuple[type, ...], handle: Callable[[socket.socket, Message], None],
                  secret: bytes = b""):
         self.name, self.opening, self.handle, self.secret = name, opening, handle, secret
         self.server = socket.create_server((host, port), backlog=128)
@@ -114,7 +114,7 @@ class SideChannelServer:
                 conn.settimeout(None)
                 msg = recv_msg(conn)
                 if not isinstance(msg, self.opening):
-                    raise ProtocolError(f"expected {self.opening.__name__}, got {type(msg).__name__}")
+                    raise ProtocolError(f"unexpected opening message {type(msg).__name__}")
                 self.handle(conn, msg)
             except (OSError, ProtocolError) as exc:
                 logger.warning("%s: connection from %s failed: %s", self.name, addr, exc)

@@ -60,6 +60,7 @@ class ConnectorMetadata:
     cancels: list[str] = field(default_factory=list)  # D: requests aborted while waiting for KV
     saves: list[SaveSpec] = field(default_factory=list)  # P, push: layers to push this step
     push_aborts: list[str] = field(default_factory=list)  # P, push: requests that ended early
+    releases: list[LoadSpec] = field(default_factory=list)  # D, pull: finished unloaded; P may free its hold
 
 
 @dataclass
@@ -80,6 +81,7 @@ class KVConnectorScheduler:
         self._expects: list[ExpectSpec] = []
         self._cancels: list[str] = []
         self._push_aborts: list[str] = []
+        self._releases: list[LoadSpec] = []  # D, pull: requests that will never pull
 
     def validate(self, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
         """Reject kv_transfer_params this node cannot act on (HTTP 400 upstream)."""
@@ -152,12 +154,12 @@ class KVConnectorScheduler:
             self._push_aborts.append(req.request_id)
 
     def has_pending(self) -> bool:
-        return bool(self._pending or self._expects or self._cancels or self._push_aborts)
+        return bool(self._pending or self._expects or self._cancels or self._push_aborts or self._releases)
 
     def build_connector_meta(self, scheduled: list | None = None) -> ConnectorMetadata:
         meta = ConnectorMetadata(self._pending, self._expects, self._cancels,
-                                 self._saves(scheduled or []), self._push_aborts)
-        self._pending, self._expects, self._cancels, self._push_aborts = [], [], [], []
+                                 self._saves(scheduled or []), self._push_aborts, self._releases)
+        self._pending, self._expects, self._cancels, self._push_aborts, self._releases = [], [], [], [], []
         return meta
 
     def _saves(self, scheduled: list) -> list[SaveSpec]:
@@ -190,6 +192,13 @@ class KVConnectorScheduler:
 
     def request_finished(self, req: Request) -> tuple[bool, dict[str, Any] | None]:
         """(keep the blocks for a D, kv_transfer_params for the proxy) for a finished request."""
+        params = req.kv_transfer_params
+        if self.config.is_consumer and wants_remote_prefill(params) and not is_push(params):
+            # D: finished before its KV was ever loaded (aborted while queued; a load clears the
+            # params): tell P now rather than leave its blocks held until the hold times out.
+            self._releases.append(LoadSpec(req.request_id, [], [], params["remote_request_id"], params["remote_host"],
+                                           params["remote_port"]))
+            return False, None
         if not (self.config.is_producer and wants_remote_decode(req.kv_transfer_params)):
             return False, None
         if is_push(req.kv_transfer_params):
@@ -244,6 +253,8 @@ class KVConnectorWorker:
             self.receiver.start(spec)
         for rid in meta.cancels:
             self.push_receiver.cancel(rid)
+        for spec in meta.releases:
+            self.receiver.release(spec)
         for spec in meta.expects:
             self.push_receiver.expect(spec.request_id, spec.block_ids[spec.first_block:], self.config.wait_timeout_s)
             self._announcer.submit(self._announce, spec, advertised)

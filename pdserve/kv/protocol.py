@@ -6,7 +6,8 @@ write a block, and a node never sends KV to a peer that cannot prove it holds th
 
 Pull, one TCP connection per transfer: D sends `PullRequest`; P answers `PullReply` (and, for the
 tcp transport, the block bytes right after it); D sends `PullDone` once the bytes are in place; P
-answers `Ack` after it has released its hold on the blocks.
+answers `Ack` after it has released its hold on the blocks. A D that drops a request before
+pulling it opens a connection with `PullDone` alone, and P frees that hold at once.
 
 Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then, for tcp, one
 `PushLayer` per layer and chunk with the bytes right after it (for shm P copies each layer into

@@ -67,6 +67,14 @@ class HeldBlocks:
                 h.pinned -= 1
                 h.done = h.done or done
 
+    def release(self, request_id: str) -> bool:
+        """D will never pull this request: its blocks are freed (once no pull is in progress)."""
+        with self._lock:
+            h = self._holds.get(request_id)
+            if h is not None:
+                h.done = True
+            return h is not None
+
     def pop_releasable(self) -> list[tuple[str, bool]]:
         """(request id, expired) of holds whose blocks can be freed now: pulled, or expired and idle."""
         now, out = time.monotonic(), []
@@ -139,10 +147,13 @@ class KVSender:
     def __init__(self, pool: KVPool, held: HeldBlocks, stats: KVStats, host: str, port: int, secret: bytes = b"") -> None:
         self.pool, self.held, self.stats = pool, held, stats
         self.data = pool.byte_view()
-        self.channel = SideChannelServer(host, port, "kv-sender", PullRequest, self._serve_pull, secret)
+        self.channel = SideChannelServer(host, port, "kv-sender", (PullRequest, PullDone), self._serve, secret)
         self.host, self.port = host, self.channel.port
 
-    def _serve_pull(self, conn: socket.socket, req: PullRequest) -> None:
+    def _serve(self, conn: socket.socket, req: PullRequest | PullDone) -> None:
+        if isinstance(req, PullDone):  # opening with PullDone: D drops the request without pulling
+            send_msg(conn, Ack(ok=self.held.release(req.request_id)))
+            return
         if req.layout != self.pool.layout:
             send_msg(conn, PullReply(ok=False, error=f"KV layout mismatch: P {self.pool.layout}, D {req.layout}"))
             return
@@ -254,6 +265,19 @@ class KVReceiver:
             if not isinstance(recv_msg(sock), Ack):
                 raise ProtocolError("P did not acknowledge the pull")
             return nbytes
+
+    def release(self, spec: LoadSpec) -> None:
+        """Tell P (in the background) that this request will never pull, so it frees its hold."""
+        self._executor.submit(self._release, spec)
+
+    def _release(self, spec: LoadSpec) -> None:
+        try:
+            with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
+                send_msg(sock, PullDone(spec.remote_request_id))
+                recv_msg(sock)
+        except (OSError, ProtocolError) as exc:  # P gone: its hold times out on its own
+            logger.info("releasing %s on %s:%s failed: %s", spec.remote_request_id, spec.remote_host,
+                        spec.remote_port, exc)
 
     def _remote_pool(self, name: str, num_blocks: int) -> RemotePool:
         with self._lock:

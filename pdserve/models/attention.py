@@ -2,8 +2,9 @@
 
 The KV pool of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), so a
 block is a contiguous slice: a transfer backend can move it without reshaping. New keys and
-values are scattered into their slots with one `index_copy_`; decodes are attended in one batched
-SDPA over block-table gathers; prefill chunks (few, long) get one SDPA each.
+values are scattered into their slots with one `index_copy_`; decodes are attended in batched SDPAs
+over block-table gathers, one per group of similar context lengths (so that a few long contexts do
+not pad every short one to their length); prefill chunks (few, long) get one SDPA each.
 """
 
 from __future__ import annotations
@@ -25,13 +26,22 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens [start, end) of the batch, padded to this group's longest context."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [n, max_blocks]
+    mask: torch.Tensor  # additive 0 / -inf, [n, 1, 1, max_blocks * block_size]
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step layout of a batch, shared by every layer. Decode tokens come first."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token in the pool
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # additive, [num_decodes, 1, 1, max_blocks * block_size]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -57,14 +67,11 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
-    if nd:
-        keys, values = _gather(kv_cache, meta.decode_block_tables).transpose(2, 3)  # [B, KVH, L, D]
-        query = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = o.squeeze(2)
+    for group in meta.decode_groups:
+        keys, values = _gather(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
+        query = q[group.start : group.end].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        out[group.start : group.end] = o.squeeze(2)
     # Prefill chunks use 4-D [1, H, n, D] inputs: SDPA's fused CPU kernel only takes 4-D, and the
     # 3-D fallback is about 8x slower on long prompts.
     for chunk in meta.prefills:

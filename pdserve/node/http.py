@@ -1,8 +1,27 @@
-"""Run an ASGI app with uvicorn so that SIGTERM / SIGINT mean a graceful stop and exit status 0."""
+"""Serving helpers: uvicorn with SIGTERM / SIGINT as a graceful stop (exit status 0), and
+noticing a client that leaves while its request is still being worked on."""
 
 from __future__ import annotations
 
+import asyncio
+
 import uvicorn
+from starlette.requests import Request
+
+DISCONNECT_POLL_S = 0.5
+
+
+async def finished_before_disconnect(raw: Request, task: asyncio.Future) -> bool:
+    """Wait for `task`; if the client disconnects first, cancel it (waiting until it has unwound,
+    so whatever it held is released) and return False."""
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return True
+        if await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False
 
 
 class _GracefulServer(uvicorn.Server):

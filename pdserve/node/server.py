@@ -9,15 +9,15 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.node.async_engine import AsyncEngine, EngineDeadError
-from pdserve.node.guards import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, GuardMiddleware, overloaded
+from pdserve.node.errors import APIError, error_response, install_error_handlers, too_busy
+from pdserve.node.guards import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, overloaded
+from pdserve.node.http import finished_before_disconnect
 from pdserve.node.metrics import NodeMetrics
 from pdserve.node.openai_protocol import (
     ChatCompletionRequest,
@@ -30,30 +30,6 @@ from pdserve.node.openai_protocol import (
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-DISCONNECT_POLL_S = 0.5
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
-                              429: "rate_limit_error"}.get(status, "server_error")
-
-
-def error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    err = APIError(status, message, param, type_)
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def too_busy(waiting: int) -> JSONResponse:
-    return error_response(429, f"server busy: {waiting} requests already waiting; retry later",
-                          type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -101,26 +77,7 @@ class NodeServer:
         app = FastAPI(title="pdserve node", lifespan=lifespan)
         app.add_middleware(GuardMiddleware, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
 
-        @app.exception_handler(APIError)
-        async def _api_error(_: Request, exc: APIError):
-            return error_response(exc.status, exc.message, exc.param, exc.type)
-
-        @app.exception_handler(InvalidParameter)
-        async def _invalid(_: Request, exc: InvalidParameter):
-            return error_response(400, str(exc), exc.param)
-
-        @app.exception_handler(RequestValidationError)
-        async def _validation(_: Request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            if first.get("type") == "json_invalid":
-                return error_response(400, f"malformed JSON body: {first.get('msg', '')}", None)
-            param = ".".join(loc) or None
-            return error_response(400, f"invalid request: {param}: {first.get('msg', 'invalid value')}", param)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http(_: Request, exc: StarletteHTTPException):
-            return error_response(exc.status_code, str(exc.detail))
+        install_error_handlers(app)
 
         @app.exception_handler(EngineDeadError)
         async def _dead(_: Request, exc: EngineDeadError):
@@ -214,15 +171,10 @@ class NodeServer:
     async def _next_or_disconnect(raw: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         """The next output, or None if the client disconnected first (then the request is aborted)."""
         task = asyncio.ensure_future(anext(outputs))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)  # let the generator stop first
-                await outputs.aclose()
-                return None
+        if await finished_before_disconnect(raw, task):
+            return task.result()
+        await outputs.aclose()
+        return None
 
     def _usage(self, out: RequestOutput) -> dict[str, int]:
         p, c = len(out.prompt_token_ids), len(out.token_ids)

@@ -30,10 +30,14 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.node.errors import error_body, error_response, install_error_handlers, too_busy
 from pdserve.node.guards import GuardMiddleware, overloaded
-from pdserve.node.server import error_response, too_busy
+from pdserve.node.http import finished_before_disconnect
+from pdserve.node.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.proxy.membership import Membership, NodesFile
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder, select_prefiller
 
@@ -66,14 +70,21 @@ class ProxyConfig:
     max_waiting: int | None = None  # requests in flight past which the proxy answers 429
     health_interval_s: float = 1.0
     max_health_failures: int = 3  # failed checks in a row before a node leaves rotation
+    nodes_file: str | None = None  # JSON list of nodes, re-read when it changes (see proxy.membership)
 
 
 class NodeError(Exception):
-    """A node answered an error (or could not be reached); relayed with an OpenAI error body."""
+    """A node answered an error (or could not be reached); relayed with an OpenAI error body.
+    `retryable`: the node failed before answering anything, so another node may take the request."""
 
-    def __init__(self, status: int, body: bytes | dict, node: str, unreachable: bool = False) -> None:
+    def __init__(self, status: int, body: bytes | dict, node: str, retryable: bool = False) -> None:
         super().__init__(f"{node} answered {status}")
-        self.status, self.body, self.node, self.unreachable = status, body, node, unreachable
+        self.status, self.body, self.node, self.retryable = status, body, node, retryable
+
+
+class AdminNode(BaseModel):
+    url: str
+    role: str
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
@@ -93,24 +104,31 @@ class Proxy:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
         if config.mode not in ("pull", "push", "colocated"):
             raise ValueError(f"mode must be pull, push or colocated, got {config.mode!r}")
-        if config.mode == "colocated":
-            if not config.node_urls or config.prefill_urls or config.decode_urls:
-                raise ValueError("colocated mode takes --node URLs (and no --prefill / --decode)")
-        elif not config.prefill_urls or not config.decode_urls:
-            raise ValueError(f"{config.mode} mode needs at least one --prefill and one --decode node")
+        if config.mode == "colocated" and (config.prefill_urls or config.decode_urls):
+            raise ValueError("colocated mode takes --node URLs (and no --prefill / --decode)")
+        if config.mode != "colocated" and config.node_urls:
+            raise ValueError(f"{config.mode} mode takes --prefill and --decode URLs (--node is for colocated)")
         if config.mode == "push" and not config.meta_url:
             raise ValueError("push mode needs the URL of this proxy's meta endpoint")
         self._announcements: dict[str, asyncio.Future] = {}  # push: proxy request id -> D's blocks
         self.inflight = 0
         self.config = config
-        self.prefillers = [Node(u.rstrip("/"), "prefill") for u in config.prefill_urls]
+        self.metrics = ProxyMetrics()
         # Colocated nodes serve whole requests: they take the decoders' place in the relay.
-        self.decoders = [Node(u.rstrip("/"), "decode") for u in config.decode_urls] or [
-            Node(u.rstrip("/"), "both") for u in config.node_urls
-        ]
+        self.members = Membership(config.mode, on_add=self.metrics.track, on_remove=self.metrics.untrack)
+        for urls, role in ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"), (config.node_urls, "both")):
+            for url in urls:
+                self.members.add(url, role)
+        self.nodes_file = NodesFile(config.nodes_file, config.mode) if config.nodes_file else None
+        if self.nodes_file:
+            self.nodes_file.load(self.members)
+        if config.mode == "colocated" and not self.members.decoders:
+            raise ValueError("colocated mode needs at least one --node (or a nodes file listing \"node\")")
+        if config.mode != "colocated" and not (self.members.prefillers and self.members.decoders):
+            raise ValueError(f"{config.mode} mode needs at least one prefill and one decode node "
+                             "(--prefill / --decode, or a nodes file)")
         self.prefill_policy = POLICIES[config.policy]()
         self.decode_policy = POLICIES[config.policy]()
-        self.metrics = ProxyMetrics(self.prefillers + self.decoders)
         self.client: httpx.AsyncClient | None = None
         self.app = self._build_app()
 
@@ -130,6 +148,7 @@ class Proxy:
 
         app = FastAPI(title="pdserve proxy", lifespan=lifespan)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key)
+        install_error_handlers(app)
 
         @app.exception_handler(NodeError)
         async def _node_error(_: Request, exc: NodeError):
@@ -146,6 +165,29 @@ class Proxy:
             return {"status": "ok", "mode": self.config.mode, "prefill": len(self.prefillers),
                     "decode": len(self.decoders)}
 
+        @app.post("/v1/admin/nodes", status_code=201)
+        async def add_node(node: AdminNode):
+            """Add a node at run time (needs the proxy's --api-key)."""
+            if denied := self._admin_denied():
+                return denied
+            try:
+                added = self.members.add(node.url, node.role)
+            except ValueError as exc:
+                return error_response(400, str(exc), "role" if "role" in str(exc) else "url")
+            except KeyError as exc:
+                return error_response(409, exc.args[0], "url")
+            return JSONResponse(_describe(added), status_code=201)
+
+        @app.delete("/v1/admin/nodes")
+        async def remove_node(url: str):
+            """Take a node out of rotation (needs --api-key); its requests in flight finish."""
+            if denied := self._admin_denied():
+                return denied
+            try:
+                return _describe(self.members.remove(url))
+            except LookupError as exc:
+                return error_response(404, exc.args[0], "url")
+
         @app.get("/v1/models")
         async def models():
             node = select_decoder(self.decoders, RoundRobin(), 0)  # the first healthy one
@@ -157,9 +199,7 @@ class Proxy:
 
         @app.get("/v1/nodes")
         async def nodes():
-            return {"nodes": [{"url": n.url, "role": n.role, "healthy": n.healthy, "active_requests": n.active_requests,
-                               "active_tokens": n.active_tokens, "kv_usage": n.kv_usage, "served": n.served}
-                              for n in self.prefillers + self.decoders]}
+            return {"nodes": [_describe(n) for n in self.members.nodes()]}
 
         @app.get("/metrics")
         async def metrics():
@@ -178,20 +218,38 @@ class Proxy:
             future.set_result(body)
             return {"status": "ok"}
 
+        # The bodies are validated (and published in the OpenAPI spec) here, so a bad request is
+        # refused before any node works on it; the raw JSON is what gets forwarded.
         @app.post("/v1/completions")
-        async def completions(raw: Request):
+        async def completions(body: CompletionRequest, raw: Request):
             return await self.handle(raw, "/v1/completions")
 
         @app.post("/v1/chat/completions")
-        async def chat_completions(raw: Request):
+        async def chat_completions(body: ChatCompletionRequest, raw: Request):
             return await self.handle(raw, "/v1/chat/completions")
 
         return app
 
+    @property
+    def prefillers(self) -> list[Node]:
+        return self.members.prefillers
+
+    @property
+    def decoders(self) -> list[Node]:
+        return self.members.decoders
+
+    def _admin_denied(self) -> JSONResponse | None:
+        # The key itself was checked by GuardMiddleware; without one the admin API stays shut.
+        if self.config.api_key is None:
+            return error_response(403, "the admin API needs the proxy to be started with --api-key")
+        return None
+
     async def _poll_node_load(self) -> None:
         """Health-check every node (/health) and keep its KV usage fresh for `least_loaded`."""
         while True:
-            for node in self.prefillers + self.decoders:
+            if self.nodes_file:
+                self.nodes_file.poll(self.members)
+            for node in self.members.nodes():
                 was_healthy = node.healthy
                 try:
                     ok = (await self.client.get(node.url + "/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
@@ -213,18 +271,18 @@ class Proxy:
             return too_busy(self.inflight)
         self.inflight += 1
         try:
-            return await self._handle(raw, path)
+            # A client that leaves while P prefills (or before D answers) cancels the flow: the
+            # node connections close, and the nodes abort the request and free its blocks.
+            work = asyncio.ensure_future(self._handle(raw, path))
+            if await finished_before_disconnect(raw, work):
+                return work.result()
+            return Response(status_code=499)
         finally:
             self.inflight -= 1
 
     async def _handle(self, raw: Request, path: str):
         arrival = time.perf_counter()
-        try:
-            body = json.loads(await raw.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"malformed JSON body: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
+        body = json.loads(await raw.body())  # already validated against the request model: forward it as sent
         if "kv_transfer_params" in body:
             return error_response(400, "kv_transfer_params is set by the proxy, not by clients", "kv_transfer_params")
         for name in ("max_tokens", "max_completion_tokens"):  # caught here, before P holds any KV
@@ -236,31 +294,67 @@ class Proxy:
         if self.config.mode == "push":
             return await self._push_flow(path, body, tokens, timing)
         if self.config.mode == "colocated":
-            node = select_decoder(self.decoders, self.decode_policy, tokens)
-            node.begin(tokens)
-            request = self.client.build_request("POST", node.url + path, json=body)
-            return await self._decode(node, asyncio.ensure_future(self._send(node, request)), body, tokens, timing)
-
+            return await self._decode_with_retry(path, body, tokens, timing)
         kv_params = await self._prefill_with_retry(path, body, tokens, timing)
-        decoder = select_decoder(self.decoders, self.decode_policy, tokens)
-        request = self.client.build_request("POST", decoder.url + path, json={**body, "kv_transfer_params": kv_params})
-        decoder.begin(tokens)
-        return await self._decode(decoder, asyncio.ensure_future(self._send(decoder, request)), body, tokens, timing)
+        # Another D may pull the same KV (P holds it until pulled or timed out), or recompute.
+        return await self._decode_with_retry(path, {**body, "kv_transfer_params": kv_params}, tokens, timing)
+
+    async def _decode_with_retry(self, path: str, d_body: dict, tokens: int, timing: RequestTiming):
+        """Send the answer-producing request to a D (or colocated node); while nothing has been
+        answered, a node that fails is taken out of rotation and another one is tried."""
+        tried: set[str] = set()
+        while True:
+            decoder = select_decoder([n for n in self.decoders if n.url not in tried], self.decode_policy, tokens)
+            request = self.client.build_request("POST", decoder.url + path, json=d_body)
+            decoder.begin(tokens)
+            try:
+                return await self._decode(decoder, asyncio.ensure_future(self._send(decoder, request)), d_body,
+                                          tokens, timing)
+            except NodeError as exc:
+                if not self._retry_elsewhere(exc, decoder, tried, self.decoders):
+                    raise
+
+    def _retry_elsewhere(self, exc: NodeError, node: Node, tried: set[str], pool: list[Node]) -> bool:
+        """After `node` failed: take it out of rotation and say whether another node can take over."""
+        if not exc.retryable:
+            return False
+        tried.add(node.url)
+        node.healthy = False  # the health checks bring it back
+        others = [n for n in pool if n.url not in tried and n.healthy]
+        logger.warning("%s node %s failed before answering (%s)%s", node.role, node.url, exc,
+                       "; retrying on another node" if others else "; no other node to try")
+        return bool(others)
 
     async def _push_flow(self, path: str, body: dict, tokens: int, timing: RequestTiming):
-        """Push: D first (it reserves blocks and announces them), then P, which pushes layer by layer."""
+        """Push, with another D when the chosen one fails before answering (the whole flow again:
+        the new D reserves its own blocks and P pushes into those)."""
+        tried: set[str] = set()
+        while True:
+            decoder = select_decoder([n for n in self.decoders if n.url not in tried], self.decode_policy, tokens)
+            try:
+                return await self._push_once(decoder, path, body, tokens, timing)
+            except NodeError as exc:
+                if exc.node != decoder.url or not self._retry_elsewhere(exc, decoder, tried, self.decoders):
+                    raise
+
+    async def _push_once(self, decoder: Node, path: str, body: dict, tokens: int, timing: RequestTiming):
+        """D first (it reserves blocks and announces them), then P, which pushes layer by layer."""
         proxy_request_id = uuid.uuid4().hex
         announced = asyncio.get_running_loop().create_future()
         self._announcements[proxy_request_id] = announced
-        decoder = select_decoder(self.decoders, self.decode_policy, tokens)
         d_params = {"do_remote_prefill": True, "kv_mode": "push", "metaserver": self.config.meta_url,
                     "proxy_request_id": proxy_request_id}
         request = self.client.build_request("POST", decoder.url + path, json={**body, "kv_transfer_params": d_params})
         decoder.begin(tokens)
         d_answer = asyncio.ensure_future(self._send(decoder, request))
         try:
-            done, _ = await asyncio.wait({announced, d_answer}, timeout=self.config.meta_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({announced, d_answer}, timeout=self.config.meta_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # cancelled (the client left): close D's request, which frees its blocks
+                await _discard(d_answer)
+                decoder.end(tokens, ok=False)
+                raise
             if announced not in done:  # D answered (an error) or never announced: P is not involved
                 return await self._decode(decoder, d_answer, body, tokens, timing, timeout=True)
             meta = announced.result()
@@ -284,19 +378,14 @@ class Proxy:
             try:
                 return await self._prefill(prefiller, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS))
             except NodeError as exc:
-                if not exc.unreachable:
-                    raise
-                tried.add(prefiller.url)
-                prefiller.healthy = False  # the health checks bring it back
-                logger.warning("prefill node %s unreachable; retrying elsewhere", prefiller.url)
-                if all(n.url in tried or not n.healthy for n in self.prefillers):
+                if not self._retry_elsewhere(exc, prefiller, tried, self.prefillers):
                     raise
 
     async def _send(self, node: Node, request: httpx.Request) -> httpx.Response:
         try:
             return await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise NodeError(502, _error_body(f"decode node {node.url} unreachable: {exc}"), node.url) from exc
+            raise _transport_error(node, exc) from exc
 
     async def _prefill(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming,
                        kv_params: dict) -> dict | None:
@@ -317,7 +406,7 @@ class Proxy:
         if kv_params.get("kv_mode") == "push":
             return None  # P pushed during its forward pass
         if not returned:
-            raise NodeError(502, _error_body(f"prefill node {node.url} returned no kv_transfer_params"), node.url)
+            raise NodeError(502, _upstream(502, f"prefill node {node.url} returned no kv_transfer_params"), node.url)
         return returned
 
     async def _decode(self, node: Node, answer: asyncio.Future, body: dict, tokens: int, timing: RequestTiming,
@@ -326,7 +415,7 @@ class Proxy:
         if timeout and not answer.done():
             await _discard(answer)
             node.end(tokens, ok=False)
-            raise NodeError(504, _error_body(f"decode node {node.url} did not announce its KV blocks in time", 504),
+            raise NodeError(504, _upstream(504, f"decode node {node.url} did not announce its KV blocks in time"),
                             node.url)
         try:
             response = await answer
@@ -349,9 +438,12 @@ class Proxy:
         if not body.get("stream"):
             try:
                 content = await response.aread()
+            except httpx.HTTPError as exc:  # nothing reached the client: another node may answer
+                node.end(tokens, ok=False)
+                raise _transport_error(node, exc) from exc
             finally:
                 await response.aclose()
-                node.end(tokens)
+            node.end(tokens)
             timing.done = time.perf_counter()
             self.metrics.observe(timing)
             return Response(content, media_type="application/json", headers=timing.stage_headers())
@@ -359,25 +451,33 @@ class Proxy:
                                  headers=timing.stage_headers())
 
     async def _relay(self, response: httpx.Response, node: Node, tokens: int, timing: RequestTiming) -> AsyncIterator[bytes]:
-        """D's SSE bytes, passed on as they come; closing either side closes the other."""
+        """D's SSE bytes, passed on as they come; closing either side closes the other. If D fails
+        mid-stream the client gets an SSE error event and `[DONE]`, not a cut connection."""
+        ok, tail = True, b""
         try:
-            async for chunk in response.aiter_raw():
-                if timing.first_byte is None:
-                    timing.first_byte = time.perf_counter()
-                yield chunk
+            try:
+                async for chunk in response.aiter_raw():
+                    if timing.first_byte is None:
+                        timing.first_byte = time.perf_counter()
+                    tail = (tail + chunk)[-2:]
+                    yield chunk
+            except httpx.HTTPError as exc:
+                ok = False
+                logger.warning("%s node %s failed mid-stream: %r", node.role, node.url, exc)
+                event = _upstream(502, f"{node.role} node {node.url} failed mid-stream: {exc or type(exc).__name__}")
+                yield (b"" if tail in (b"", b"\n\n") else b"\n\n") + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                return
             timing.done = time.perf_counter()
             self.metrics.observe(timing)
         finally:
             await response.aclose()
-            node.end(tokens)
+            node.end(tokens, ok)
 
     async def _post(self, node: Node, path: str, body: dict) -> httpx.Response:
         try:
             return await self.client.post(node.url + path, json=body)
         except httpx.HTTPError as exc:
-            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
-            raise NodeError(502, _error_body(f"{node.role} node {node.url} unreachable: {exc}"), node.url,
-                            unreachable) from exc
+            raise _transport_error(node, exc) from exc
 
 
 @dataclass
@@ -423,5 +523,20 @@ def _sample(metrics_text: str, name: str) -> float:
     return 0.0
 
 
-def _error_body(message: str, status: int = 502) -> dict:
-    return {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
+def _upstream(status: int, message: str) -> dict:
+    return error_body(status, message, type_="upstream_error")
+
+
+def _transport_error(node: Node, exc: httpx.HTTPError) -> NodeError:
+    """A node that could not be reached, or failed before answering: 502 (504 for a timeout).
+    Retryable unless it timed out, since then the node may still be working on the request."""
+    timed_out = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
+    status = 504 if timed_out else 502
+    what = "timed out" if timed_out else "unreachable or failed"
+    return NodeError(status, _upstream(status, f"{node.role} node {node.url} {what}: {exc or type(exc).__name__}"),
+                     node.url, retryable=not timed_out)
+
+
+def _describe(node: Node) -> dict:
+    return {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
+            "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served}

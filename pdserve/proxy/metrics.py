@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class ProxyMetrics:
-    def __init__(self, nodes: list[Node]) -> None:
+    def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("pdserve_proxy:time_to_first_token_seconds", "Arrival at the proxy to D's first byte",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -23,9 +23,14 @@ class ProxyMetrics:
         self.stage = Histogram("pdserve_proxy:stage_seconds", "Time per stage: queue, prefill, transfer, decode",
                                ["stage"], buckets=REQUEST_BUCKETS, registry=r)
         self.requests = Counter("pdserve_proxy:requests", "Requests relayed to the end", registry=r)
-        active = Gauge("pdserve_proxy:node_active_requests", "In-flight requests per node", ["node", "role"], registry=r)
-        for node in nodes:
-            active.labels(node=node.url, role=node.role).set_function(lambda n=node: n.active_requests)
+        self.active = Gauge("pdserve_proxy:node_active_requests", "In-flight requests per node", ["node", "role"],
+                            registry=r)
+
+    def track(self, node: Node) -> None:
+        self.active.labels(node=node.url, role=node.role).set_function(lambda: node.active_requests)
+
+    def untrack(self, node: Node) -> None:
+        self.active.remove(node.url, node.role)
 
     def observe(self, t: RequestTiming) -> None:
         if t.done is None:
