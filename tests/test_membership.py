@@ -29,7 +29,7 @@ def test_membership_roles_follow_the_mode():
     assert [n.url for n in m.prefillers] == ["http://127.0.0.1:1"]
     with pytest.raises(ValueError, match="role must be one of"):
         m.add("http://127.0.0.1:3", "both")
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="already a node"):
         m.add("http://127.0.0.1:2", "decode")
     with pytest.raises(LookupError):
         m.remove("http://127.0.0.1:9")

@@ -37,7 +37,7 @@ from pdserve.node.errors import error_body, error_response, install_error_handle
 from pdserve.node.guards import GuardMiddleware, overloaded
 from pdserve.node.http import finished_before_disconnect
 from pdserve.node.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.proxy.membership import Membership, NodesFile
+from pdserve.proxy.membership import DuplicateNode, Membership, NodesFile
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder, select_prefiller
 
@@ -172,10 +172,10 @@ class Proxy:
                 return denied
             try:
                 added = self.members.add(node.url, node.role)
+            except DuplicateNode as exc:
+                return error_response(409, str(exc), "url")
             except ValueError as exc:
                 return error_response(400, str(exc), "role" if "role" in str(exc) else "url")
-            except KeyError as exc:
-                return error_response(409, exc.args[0], "url")
             return JSONResponse(_describe(added), status_code=201)
 
         @app.delete("/v1/admin/nodes")

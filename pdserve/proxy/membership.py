@@ -23,6 +23,10 @@ ROLES_BY_MODE = {"pull": ("prefill", "decode"), "push": ("prefill", "decode"), "
 FILE_KEYS = {"prefill": "prefill", "decode": "decode", "node": "both"}
 
 
+class DuplicateNode(ValueError):
+    pass
+
+
 def check_url(url: str) -> str:
     """`http(s)://host:port` with no path; ValueError naming the problem."""
     if not isinstance(url, str):
@@ -60,7 +64,7 @@ class Membership:
             raise ValueError(f"role must be one of {list(allowed)} in {self.mode} mode, got {role!r}")
         url = check_url(url)
         if self.find(url) is not None:
-            raise KeyError(f"{url} is already a node of this proxy")
+            raise DuplicateNode(f"{url} is already a node of this proxy")
         node = Node(url, role)
         (self.prefillers if role == "prefill" else self.decoders).append(node)
         self.on_add(node)
