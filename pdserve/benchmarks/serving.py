@@ -131,6 +131,7 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
     result.start = start - t0
     last = start
     chunks = 0
+    first_choice: float | None = None
     try:
         async with client.stream("POST", url + path, json=body) as response:
             if response.status_code != 200:
@@ -147,6 +148,8 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
                 if data.get("usage"):
                     result.output_len = data["usage"]["completion_tokens"]
                 for choice in data.get("choices") or []:
+                    if first_choice is None:
+                        first_choice = time.perf_counter()
                     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                     if not text:
                         continue
@@ -158,8 +161,12 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
                     last = now
                     chunks += 1
         result.e2el_ms = (time.perf_counter() - start) * 1e3
+        if chunks == 0 and result.output_len and first_choice is not None:
+            # Tokens were generated but none had visible text yet (e.g. pieces of one UTF-8
+            # character): a success, timed from the first chunk that carried a choice.
+            result.ttft_ms = (first_choice - start) * 1e3
         result.output_len = result.output_len or chunks
-        result.ok = chunks > 0
+        result.ok = chunks > 0 or (result.output_len > 0 and first_choice is not None)
         if not result.ok:
             result.error = "no tokens streamed"
     except httpx.HTTPError as exc:

@@ -86,8 +86,8 @@ class SideChannelServer:
     """Accepts connections on (host, port) and serves each on its own thread: the first message
     must be of an `opening` type, then `handle(conn, message)` owns the connection."""
 
-    def __init__(self, host: str, port: int, name: str, opening: type | tuple[type, ...], handle: Callable[[socket.socket, Message], None],
-                 secret: bytes = b""):
+    def __init__(self, host: str, port: int, name: str, opening: type | tuple[type, ...],
+                 handle: Callable[[socket.socket, Message], None], secret: bytes = b""):
         self.name, self.opening, self.handle, self.secret = name, opening, handle, secret
         self.server = socket.create_server((host, port), backlog=128)
         self.host, self.port = host, self.server.getsockname()[1]
