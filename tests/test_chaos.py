@@ -98,6 +98,16 @@ def decode_node(procs: Procs, name: str = "d", *extra: str) -> Process:
                        name)
 
 
+def post_and_hold(url: str, request: dict) -> socket.socket:
+    """POST a completion on a raw socket and return it unread: closing it is a client leaving."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(request).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
+
+
 def prefill_directly(p: Process, prompt: list[int]) -> dict:
     """Step 2 of the pull flow by hand: P prefills and holds; returns its kv_transfer_params."""
     r = httpx.post(p.url + "/v1/completions", json=body(prompt, 1, kv_transfer_params={"do_remote_decode": True}),
@@ -214,11 +224,7 @@ def test_4b_decode_node_dropping_a_queued_request_releases_it_on_p_at_once(procs
         next(line for line in lines if line.startswith("data:"))
         queued = prefill_directly(p, prompt_ids(64, seed=41))
         assert metric(p.url, "pdserve:kv_blocks_held") == len(queued["remote_block_ids"])
-        payload = json.dumps(body(prompt_ids(64, seed=41), kv_transfer_params=queued)).encode()
-        host, port = d.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        with post_and_hold(d.url, body(prompt_ids(64, seed=41), kv_transfer_params=queued)):
             wait_until(lambda: metric(d.url, "pdserve:num_requests_waiting") == 1, 30, "the request to queue on D")
         assert wait_for_metric(p.url, "pdserve:kv_blocks_held", 0, timeout=5) == 0
         assert metric(p.url, "pdserve:kv_hold_expired_total") == 0
@@ -303,11 +309,7 @@ def test_7_client_disconnects_while_prefilling(procs):
     within RELEASE_BOUND_S."""
     p, d = prefill_node(procs), decode_node(procs)
     proxy = procs.start(["proxy", "--prefill", p.url, "--decode", d.url], "proxy")
-    payload = json.dumps(body(prompt_ids(2500, seed=7))).encode()
-    host, port = proxy.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    with post_and_hold(proxy.url, body(prompt_ids(2500, seed=7))):
         wait_until(lambda: metric(p.url, "pdserve:num_requests_running") == 1, 30, "P to start prefilling")
     # The client has left while its prompt is being prefilled.
     assert_released(p, d)

@@ -18,6 +18,7 @@ import time
 
 import httpx
 
+from pdserve.benchmarks.push import metric_sum
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import random_dataset, run_benchmark
 from pdserve.benchmarks.study import Up
@@ -48,13 +49,7 @@ def process_name(pid: int) -> str:
 
 
 def blocks(urls: list[str]) -> dict[str, float]:
-    out = {}
-    for url in urls:
-        text = httpx.get(url + "/metrics", timeout=10).text
-        for name in BLOCK_METRICS:
-            line = next((x for x in text.splitlines() if x.startswith(name + " ")), None)
-            out[f"{url} {name}"] = float(line.split()[1]) if line else 0.0
-    return out
+    return {f"{url} {name}": metric_sum(url, name) for url in urls for name in BLOCK_METRICS}
 
 
 def wait_idle(proxy_url: str, timeout_s: float = 60.0) -> None:
