@@ -19,6 +19,19 @@ from pdserve.models.attention import AttentionMetadata, paged_attention
 LayerHook = Callable[[int], None]
 
 
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up to one of 8 sizes per power of two (at most 1/8 padding; exact up to 16).
+
+    oneDNN caches a compiled kernel and its buffers for every distinct input shape it sees, and
+    never returns that memory: fed every batch size a server meets, a node's RSS grows for hours.
+    Rounding bounds the number of shapes (about 8 per doubling), like vLLM's CUDA-graph sizes.
+    """
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class Linear(nn.Linear):
     """nn.Linear that can run on oneDNN's pre-packed weights (bf16 on CPU: ~1.5x faster GEMV)."""
 
@@ -28,10 +41,12 @@ class Linear(nn.Linear):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self.weight = None  # the packed copy replaces it (a tied embedding keeps its own reference)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.shape[0]
+        x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
 
 
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:

@@ -1,0 +1,33 @@
+"""The oneDNN-packed projection (bf16 on CPU): row padding is bounded and does not change results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.models.llama import Linear, can_pack_for_cpu, padded_rows
+
+
+def test_padded_rows_is_small_bounded_and_monotone():
+    sizes = [padded_rows(rows) for rows in range(1, 8193)]
+    assert sizes[:16] == list(range(1, 17))  # decode batches up to 16 are not padded
+    for rows, size in enumerate(sizes, start=1):
+        assert rows <= size <= rows + rows // 8, rows
+    assert sizes == sorted(sizes)
+    # A few shapes per doubling: 16 exact sizes, then 8 per power of two up to 8192.
+    assert len(set(sizes)) == 16 + 8 * 9
+
+
+@pytest.mark.skipif(not can_pack_for_cpu(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing")
+@pytest.mark.parametrize("rows", [1, 7, 17, 33, 100, 257])
+def test_packed_linear_equals_plain_linear(rows):
+    torch.manual_seed(rows)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    layer.pack_for_cpu()
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=2e-2, atol=2e-2)
