@@ -131,12 +131,15 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=3.0, help="seconds idle before the last RSS reading")
     parser.add_argument("--mode", default="pull", choices=["pull", "push"])
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default="docs/results/soak.json")
+    parser.add_argument("--out", default=None, help="default: docs/results/soak.json (pull), soak_push.json (push)")
     args = parser.parse_args()
     if args.requests < 1 or args.rate <= 0:
         parser.error("--requests must be >= 1 and --rate > 0")
     res = run(args)
-    publish(res, args.out, "soak", f"Soak: {args.requests} short requests through pdserve up", markdown(res, args))
+    # Each mode keeps its own results and section, so a push soak does not overwrite the pull one.
+    suffix = "" if args.mode == "pull" else f"_{args.mode}"
+    title = f"Soak{'' if args.mode == 'pull' else f' ({args.mode})'}: {args.requests} short requests through pdserve up"
+    publish(res, args.out or f"docs/results/soak{suffix}.json", f"soak{suffix}", title, markdown(res, args))
     return 0 if res["pass"] else 1
 
 
