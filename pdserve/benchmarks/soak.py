@@ -5,7 +5,8 @@
 Starts `pdserve up` (1P1D), warms it up, records every process's RSS, sends `--requests` short
 requests (16-48 prompt tokens, 2-6 output tokens, Poisson arrivals), waits until idle and records
 again. Pass: 0 errors, every process's RSS grew < 5 %, and P's and D's KV blocks (used and held)
-are back to their baseline. Writes docs/results/soak.json and a section of docs/benchmarks.md.
+are back to their baseline. Writes docs/results/soak.json (soak_push.json with `--mode push`)
+and a section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ def main() -> int:
         parser.error("--requests must be >= 1 and --rate > 0")
     res = run(args)
     # Each mode keeps its own results and section, so a push soak does not overwrite the pull one.
-    suffix = "" if args.mode == "pull" else f"_{args.mode}"
-    title = f"Soak{'' if args.mode == 'pull' else f' ({args.mode})'}: {args.requests} short requests through pdserve up"
+    pull = args.mode == "pull"
+    suffix, label = ("", "") if pull else (f"_{args.mode}", f" ({args.mode})")
+    title = f"Soak{label}: {args.requests} short requests through pdserve up"
     publish(res, args.out or f"docs/results/soak{suffix}.json", f"soak{suffix}", title, markdown(res, args))
     return 0 if res["pass"] else 1
 
