@@ -85,7 +85,7 @@ def run(args) -> dict:
     errors = [r.error for r in results if not r.ok]
     growth = {name: rss_end[name] / rss_start[name] - 1 for name in rss_start}
     return {
-        "mode": args.mode, "requests": args.requests, "rate": args.rate, "duration_s": duration,
+        "mode": args.mode, "requests": args.requests, "rate": args.rate, "duration_s": duration, "pids": pids,
         "achieved_rate": len(results) / duration, "errors": len(errors), "first_errors": errors[:5],
         "rss_start_mib": rss_start, "rss_end_mib": rss_end, "rss_growth": growth,
         "blocks_start": blocks_start, "blocks_end": blocks_end, "processes_alive_at_end": alive,
