@@ -25,7 +25,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -42,6 +42,7 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder, select_prefiller
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PULL_PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -292,27 +293,36 @@ class Proxy:
         tokens = estimate_tokens(body)
         timing = RequestTiming(arrival)
         if self.config.mode == "push":
-            return await self._push_flow(path, body, tokens, timing)
+            # Another D means the whole flow again: the new D reserves its own blocks, P pushes into those.
+            return await self._on_some_node("decode", tokens, lambda d: self._push_once(d, path, body, tokens, timing))
         if self.config.mode == "colocated":
-            return await self._decode_with_retry(path, body, tokens, timing)
-        kv_params = await self._prefill_with_retry(path, body, tokens, timing)
+            return await self._on_some_node("decode", tokens, lambda d: self._decode_on(d, path, body, tokens, timing))
+        kv_params = await self._on_some_node(
+            "prefill", tokens, lambda p: self._prefill(p, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS)))
         # Another D may pull the same KV (P holds it until pulled or timed out), or recompute.
-        return await self._decode_with_retry(path, {**body, "kv_transfer_params": kv_params}, tokens, timing)
+        d_body = {**body, "kv_transfer_params": kv_params}
+        return await self._on_some_node("decode", tokens, lambda d: self._decode_on(d, path, d_body, tokens, timing))
 
-    async def _decode_with_retry(self, path: str, d_body: dict, tokens: int, timing: RequestTiming):
-        """Send the answer-producing request to a D (or colocated node); while nothing has been
-        answered, a node that fails is taken out of rotation and another one is tried."""
+    async def _on_some_node(self, role: str, tokens: int, attempt: Callable[[Node], Awaitable[T]]) -> T:
+        """`attempt` on a prefill (or decode / colocated) node. While the node fails before answering
+        anything, it is taken out of rotation and `attempt` runs again on another one."""
+        pool, select, policy = ((self.prefillers, select_prefiller, self.prefill_policy) if role == "prefill"
+                                else (self.decoders, select_decoder, self.decode_policy))
         tried: set[str] = set()
         while True:
-            decoder = select_decoder([n for n in self.decoders if n.url not in tried], self.decode_policy, tokens)
-            request = self.client.build_request("POST", decoder.url + path, json=d_body)
-            decoder.begin(tokens)
+            node = select([n for n in pool if n.url not in tried], policy, tokens)
             try:
-                return await self._decode(decoder, asyncio.ensure_future(self._send(decoder, request)), d_body,
-                                          tokens, timing)
+                return await attempt(node)
             except NodeError as exc:
-                if not self._retry_elsewhere(exc, decoder, tried, self.decoders):
+                # Only the chosen node's own failure moves on (in push, P's errors pass through D's attempt).
+                if exc.node != node.url or not self._retry_elsewhere(exc, node, tried, pool):
                     raise
+
+    async def _decode_on(self, node: Node, path: str, body: dict, tokens: int, timing: RequestTiming):
+        """Send the answer-producing request to a D (or a colocated node) and relay its answer."""
+        request = self.client.build_request("POST", node.url + path, json=body)
+        node.begin(tokens)
+        return await self._decode(node, asyncio.ensure_future(self._send(node, request)), body, tokens, timing)
 
     def _retry_elsewhere(self, exc: NodeError, node: Node, tried: set[str], pool: list[Node]) -> bool:
         """After `node` failed: take it out of rotation and say whether another node can take over."""
@@ -324,18 +334,6 @@ class Proxy:
         logger.warning("%s node %s failed before answering (%s)%s", node.role, node.url, exc,
                        "; retrying on another node" if others else "; no other node to try")
         return bool(others)
-
-    async def _push_flow(self, path: str, body: dict, tokens: int, timing: RequestTiming):
-        """Push, with another D when the chosen one fails before answering (the whole flow again:
-        the new D reserves its own blocks and P pushes into those)."""
-        tried: set[str] = set()
-        while True:
-            decoder = select_decoder([n for n in self.decoders if n.url not in tried], self.decode_policy, tokens)
-            try:
-                return await self._push_once(decoder, path, body, tokens, timing)
-            except NodeError as exc:
-                if exc.node != decoder.url or not self._retry_elsewhere(exc, decoder, tried, self.decoders):
-                    raise
 
     async def _push_once(self, decoder: Node, path: str, body: dict, tokens: int, timing: RequestTiming):
         """D first (it reserves blocks and announces them), then P, which pushes layer by layer."""
@@ -369,17 +367,6 @@ class Proxy:
             return await self._decode(decoder, d_answer, body, tokens, timing)
         finally:
             self._announcements.pop(proxy_request_id, None)
-
-    async def _prefill_with_retry(self, path: str, body: dict, tokens: int, timing: RequestTiming) -> dict:
-        """Pull: prefill on a P; if it cannot be reached, take it out of rotation and try another."""
-        tried: set[str] = set()
-        while True:
-            prefiller = select_prefiller([n for n in self.prefillers if n.url not in tried], self.prefill_policy, tokens)
-            try:
-                return await self._prefill(prefiller, path, body, tokens, timing, dict(PULL_PREFILL_PARAMS))
-            except NodeError as exc:
-                if not self._retry_elsewhere(exc, prefiller, tried, self.prefillers):
-                    raise
 
     async def _send(self, node: Node, request: httpx.Request) -> httpx.Response:
         try:
