@@ -65,8 +65,7 @@ class ModelRunner:
                 first = len(ids) - n
                 cached = table.to(dev) if start > 0 else None
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
-                                 num_decode_tokens=len(decode_tables))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
         for start, end in decode_groups(decode_lens):
             meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta

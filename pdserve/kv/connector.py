@@ -199,9 +199,9 @@ class KVConnectorScheduler:
             self._releases.append(LoadSpec(req.request_id, [], [], params["remote_request_id"], params["remote_host"],
                                            params["remote_port"]))
             return False, None
-        if not (self.config.is_producer and wants_remote_decode(req.kv_transfer_params)):
+        if not (self.config.is_producer and wants_remote_decode(params)):
             return False, None
-        if is_push(req.kv_transfer_params):
+        if is_push(params):
             if req.status.finish_reason not in ("stop", "length"):
                 self._push_aborts.append(req.request_id)
             return False, None  # pushed during the forward pass: nothing to hold

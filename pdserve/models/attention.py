@@ -40,7 +40,6 @@ class AttentionMetadata:
     """Per-step layout of a batch, shared by every layer. Decode tokens come first."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token in the pool
-    num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
