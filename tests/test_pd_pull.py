@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.benchmarks.procinfo import alive, children
 from servers import free_port, metric, start_pdserve, wait_for_metric
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -156,20 +157,6 @@ def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
         d.stop()
 
 
-def children_of(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = open(f"/proc/{pid}/stat").read().split()
-    return stat[2] != "Z"
-
-
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_signal):
     port = free_port()
@@ -188,7 +175,7 @@ def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_si
         out = client(f"http://127.0.0.1:{port}").chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0)
         assert out.choices[0].message.content == "The capital of France is Paris."
-        kids = children_of(up.pid)
+        kids = children(up.pid)
         assert len(kids) == 3  # P, D, proxy
         up.send_signal(stop_signal)
         assert up.wait(30) == (0 if stop_signal == signal.SIGTERM else -signal.SIGKILL)
@@ -199,7 +186,7 @@ def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_si
     finally:
         if up.poll() is None:
             up.kill()
-        for k in children_of(up.pid):
+        for k in children(up.pid):
             os.kill(k, signal.SIGKILL)
 
 

@@ -19,10 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
 
 DECODE_BATCHES = (1, 8, 32)
@@ -33,13 +33,6 @@ OFFLINE_SHAPES = ((8, 512, 128), (1, 2048, 64))
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1000, 40000, (n, length), generator=g).tolist()
-
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def peak_rss_mib() -> float:

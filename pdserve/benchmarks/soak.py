@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import time
 
 import httpx
 
+from pdserve.benchmarks.procinfo import alive, children, rss_mib
 from pdserve.benchmarks.push import metric_sum
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import random_dataset, run_benchmark
@@ -26,19 +26,6 @@ from pdserve.benchmarks.study import Up
 
 MAX_RSS_GROWTH = 0.05
 BLOCK_METRICS = ("pdserve:kv_blocks_used", "pdserve:kv_blocks_held")
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def process_name(pid: int) -> str:
@@ -79,7 +66,7 @@ def run(args) -> dict:
         time.sleep(args.settle)
         rss_end = {name: rss_mib(pid) for name, pid in pids.items()}
         blocks_end = blocks(node_urls)
-        alive = {name: up.proc.poll() is None if name == "up" else _alive(pid) for name, pid in pids.items()}
+        running = {name: up.proc.poll() is None if name == "up" else alive(pid) for name, pid in pids.items()}
     finally:
         up.stop()
     errors = [r.error for r in results if not r.ok]
@@ -88,18 +75,11 @@ def run(args) -> dict:
         "mode": args.mode, "requests": args.requests, "rate": args.rate, "duration_s": duration, "pids": pids,
         "achieved_rate": len(results) / duration, "errors": len(errors), "first_errors": errors[:5],
         "rss_start_mib": rss_start, "rss_end_mib": rss_end, "rss_growth": growth,
-        "blocks_start": blocks_start, "blocks_end": blocks_end, "processes_alive_at_end": alive,
+        "blocks_start": blocks_start, "blocks_end": blocks_end, "processes_alive_at_end": running,
         "median_e2el_ms": sorted(r.e2el_ms for r in results if r.ok)[len(results) // 2] if results else None,
         "pass": (not errors and all(g < MAX_RSS_GROWTH for g in growth.values()) and blocks_end == blocks_start
-                 and all(alive.values())),
+                 and all(running.values())),
     }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def markdown(res: dict, args) -> str:

@@ -15,20 +15,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
+from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
 from pdserve.launcher import free_port
 from pdserve.models.loader import resolve_model_dir
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def one_start(dtype: str) -> dict:
