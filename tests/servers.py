@@ -66,6 +66,39 @@ def start_pdserve(args: list[str], tmp_dir, name: str, ready_path: str = "/healt
     raise TimeoutError(f"{name} not ready after {timeout}s:\n{process.log()}")
 
 
+class Procs:
+    """pdserve processes started under distinct names and stopped together (killed ones included);
+    a context manager, so that whatever was started is stopped and reaped however the block ends."""
+
+    def __init__(self, tmp_dir) -> None:
+        self.tmp_dir = tmp_dir
+        self.by_name: dict[str, Process] = {}
+
+    def start(self, args: list[str], name: str) -> Process:
+        if name in self.by_name:
+            raise ValueError(f"a process named {name!r} was already started (its log would be overwritten)")
+        proc = start_pdserve(args, self.tmp_dir, name)
+        self.by_name[name] = proc
+        return proc
+
+    def __getitem__(self, name: str) -> Process:
+        return self.by_name[name]
+
+    def values(self) -> list[Process]:
+        return list(self.by_name.values())
+
+    def stop(self) -> None:
+        for proc in reversed(self.values()):
+            proc.stop()
+        assert all(p.proc.poll() is not None for p in self.values())
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
 def metric(url: str, name: str, labels: str | None = None) -> float:
     """Value of one sample from a Prometheus /metrics page (0 when absent)."""
     text = httpx.get(url + "/metrics", timeout=5.0).text

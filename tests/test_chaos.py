@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from servers import Process, metric, start_pdserve, wait_for_metric
+from servers import Process, Procs, metric, wait_for_metric
 
 # float32: "the same answer" is exact there; in bf16 a near-tie can flip with the computation path
 # (D computes the last prompt token as a decode, a colocated node inside its prefill).
@@ -62,30 +62,10 @@ def kill(proc: Process) -> None:
     proc.proc.wait(10)
 
 
-class Procs:
-    """Processes a test starts; all stopped (and reaped) at its end, killed ones included."""
-
-    def __init__(self, tmp_path) -> None:
-        self.tmp_path, self.all = tmp_path, []
-
-    def start(self, args: list[str], name: str) -> Process:
-        proc = start_pdserve(args, self.tmp_path, name)
-        self.all.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for proc in reversed(self.all):
-            proc.stop()
-        assert all(p.proc.poll() is not None for p in self.all)
-
-
 @pytest.fixture
 def procs(tmp_path):
-    started = Procs(tmp_path)
-    try:
+    with Procs(tmp_path) as started:
         yield started
-    finally:
-        started.stop()
 
 
 def prefill_node(procs: Procs, name: str = "p", *extra: str) -> Process:

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from servers import start_pdserve
+from servers import Procs
 
 EXAMPLES_PER_OPERATION = 40
 NODE = ["--dtype", "bfloat16", "--kv-cache-memory", "0.05", "--max-model-len", "48"]
@@ -41,17 +41,12 @@ def fuzz_api(url: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fuzz_cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    procs = {}
-    try:
-        procs["node"] = start_pdserve(["serve", "--role", "both", *NODE], tmp, "node")
-        procs["p"] = start_pdserve(["serve", "--role", "prefill", *NODE], tmp, "p")
-        procs["d"] = start_pdserve(["serve", "--role", "decode", *NODE], tmp, "d")
-        procs["proxy"] = start_pdserve(["proxy", "--prefill", procs["p"].url, "--decode", procs["d"].url], tmp, "proxy")
+    with Procs(tmp_path_factory.mktemp("fuzz")) as procs:
+        procs.start(["serve", "--role", "both", *NODE], "node")
+        p = procs.start(["serve", "--role", "prefill", *NODE], "p")
+        d = procs.start(["serve", "--role", "decode", *NODE], "d")
+        procs.start(["proxy", "--prefill", p.url, "--decode", d.url], "proxy")
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 def check(case) -> None:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pdserve.benchmarks.procinfo import alive, children
-from servers import free_port, metric, start_pdserve, wait_for_metric
+from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
 
 MODEL = "SmolLM2-135M-Instruct"
 NODE = ["--dtype", "float32", "--kv-cache-memory", "0.15"]
@@ -39,20 +39,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
-    procs = {}
-    try:
-        procs["both"] = start_pdserve(["serve", "--role", "both", *NODE], tmp, "both")
-        procs["p"] = start_pdserve(["serve", "--role", "prefill", *NODE], tmp, "prefill")
-        procs["d_shm"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "shm", *NODE], tmp, "d_shm")
-        procs["d_tcp"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "tcp", *NODE], tmp, "d_tcp")
-        procs["proxy"] = start_pdserve(
-            ["proxy", "--prefill", procs["p"].url, "--decode", procs["d_shm"].url, procs["d_tcp"].url], tmp, "proxy"
-        )
+    with Procs(tmp_path_factory.mktemp("pd")) as procs:
+        procs.start(["serve", "--role", "both", *NODE], "both")
+        p = procs.start(["serve", "--role", "prefill", *NODE], "p")
+        d_shm = procs.start(["serve", "--role", "decode", "--kv-transport", "shm", *NODE], "d_shm")
+        d_tcp = procs.start(["serve", "--role", "decode", "--kv-transport", "tcp", *NODE], "d_tcp")
+        procs.start(["proxy", "--prefill", p.url, "--decode", d_shm.url, d_tcp.url], "proxy")
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 def client(url: str) -> openai.OpenAI:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from servers import free_port, metric, start_pdserve, wait_for_metric
+from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
 from test_pd_pull import MODEL, NODE, PROMPTS, client
 
 LONG_PROMPT = " ".join(f"Item {i}: a sentence about the number {i} and its square {i * i}." for i in range(150))
@@ -16,23 +16,15 @@ LONG_PROMPT = " ".join(f"Item {i}: a sentence about the number {i} and its squar
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("push")
-    procs = {}
-    try:
-        procs["both"] = start_pdserve(["serve", "--role", "both", *NODE], tmp, "both")
+    with Procs(tmp_path_factory.mktemp("push")) as procs:
+        procs.start(["serve", "--role", "both", *NODE], "both")
         # Chunked prefill on P (256-token steps): a long prompt is pushed across several steps.
-        procs["p"] = start_pdserve(["serve", "--role", "prefill", "--max-num-batched-tokens", "256", *NODE], tmp, "p")
-        procs["d_shm"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "shm", *NODE], tmp, "d_shm")
-        procs["d_tcp"] = start_pdserve(["serve", "--role", "decode", "--kv-transport", "tcp", *NODE], tmp, "d_tcp")
-        decoders = [procs["d_shm"].url, procs["d_tcp"].url]
-        procs["push"] = start_pdserve(["proxy", "--mode", "push", "--prefill", procs["p"].url, "--decode", *decoders],
-                                      tmp, "proxy_push")
-        procs["pull"] = start_pdserve(["proxy", "--mode", "pull", "--prefill", procs["p"].url, "--decode", *decoders],
-                                      tmp, "proxy_pull")
+        p = procs.start(["serve", "--role", "prefill", "--max-num-batched-tokens", "256", *NODE], "p")
+        decoders = [procs.start(["serve", "--role", "decode", "--kv-transport", transport, *NODE], f"d_{transport}").url
+                    for transport in ("shm", "tcp")]
+        procs.start(["proxy", "--mode", "push", "--prefill", p.url, "--decode", *decoders], "push")
+        procs.start(["proxy", "--mode", "pull", "--prefill", p.url, "--decode", *decoders], "pull")
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 def ask(url: str, prompt: str, stream: bool, max_tokens: int = 24) -> tuple[str, int]:
