@@ -271,13 +271,14 @@ def targets(res: dict) -> dict:
 
 def markdown(res: dict, args, files: dict[str, str]) -> str:
     idle, slos, t = res["idle"], res["slos_ms"], res["targets"]
+    seconds = res.get("seconds_per_rate", args.seconds_per_rate)  # older JSON did not record it
     lines = [
         f"Command: `python -m pdserve.benchmarks.study --rates {' '.join(f'{r:g}' for r in res['rates'])} "
-        f"--seconds-per-rate {res.get('seconds_per_rate', args.seconds_per_rate):g}` ({time.strftime('%Y-%m-%d')}, {args.dtype}, this 2-core "
+        f"--seconds-per-rate {seconds:g}` ({time.strftime('%Y-%m-%d')}, {args.dtype}, this 2-core "
         "machine, one core per node, the client and proxy unpinned).",
         "",
         f"Workload: `mixed`, 90 % {SHORT_INPUT}->{SHORT_OUTPUT} and 10 % {LONG_INPUT}->{LONG_OUTPUT} random-token "
-        f"prompts, Poisson arrivals, max(20, rate x {res.get('seconds_per_rate', args.seconds_per_rate):g} s) requests per rate, a fresh seed per "
+        f"prompts, Poisson arrivals, max(20, rate x {seconds:g} s) requests per rate, a fresh seed per "
         "rate (no prefix-cache hits), the same prompts for every setup.",
         "",
         f"SLO rule: one `--role both` node on one idle core gives TTFT {idle['ttft_long_ms']:.0f} ms for a "
