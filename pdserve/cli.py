@@ -8,9 +8,15 @@ import sys
 import time
 
 
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 where the CPU runs bf16 GEMMs natively (and on CUDA), else float32; "
+                             "PDSERVE_KERNELS=portable forces the portable kernels (and float32 for auto)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype_arg(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB", help="KV pool size in GiB")
@@ -199,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--model", default=None)
-    up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype_arg(up)
     up.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB")
     up.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "shm"])
     up.add_argument("--max-model-len", type=int, default=None)

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from pdserve.platform import kernel_mode
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ class EngineConfig:
     """How the engine runs: memory for the KV pool, batching limits, precision, threads."""
 
     model: str | None = None  # HF dir or .gguf file; None = the embedded SmolLM2
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
+    kernels: str | None = None  # auto | portable; None = $PDSERVE_KERNELS, else auto
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     block_size: int = 16
     kv_cache_memory_gib: float = 0.5
@@ -138,7 +141,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        kernel_mode(self.kernels)  # a bad value (or $PDSERVE_KERNELS) is an error now, not at load
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -148,6 +152,3 @@ class EngineConfig:
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]

@@ -41,7 +41,7 @@ def pdserve_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     cfg, bs = model.config, llm.engine.config.block_size
     n = len(ids)
     blocks = -(-n // bs)
-    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=llm.engine.plan.torch_dtype)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, n, None)])
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(n), list(kv.unbind(0)), meta)

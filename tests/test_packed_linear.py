@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models.llama import Linear, can_pack_for_cpu, padded_rows
+from pdserve.models.llama import Linear, padded_rows
+from pdserve.platform import CpuInfo, onednn_bf16_prepack_works
 
 
 def test_padded_rows_is_small_bounded_and_monotone():
@@ -19,7 +20,8 @@ def test_padded_rows_is_small_bounded_and_monotone():
     assert len(set(sizes)) == 16 + 8 * 9
 
 
-@pytest.mark.skipif(not can_pack_for_cpu(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing")
+@pytest.mark.skipif(not (CpuInfo.detect().onednn_bf16 and onednn_bf16_prepack_works()),
+                    reason="this CPU has no native bf16 GEMMs (no oneDNN bf16 packing)")
 @pytest.mark.parametrize("rows", [1, 7, 17, 33, 100, 257])
 def test_packed_linear_equals_plain_linear(rows):
     torch.manual_seed(rows)

@@ -2,6 +2,10 @@
 
     python -m pdserve.benchmarks.engine [--threads 1] [--dtypes float32 bfloat16] [--quick]
 
+    # the portable path as on an AVX2-only CPU, into its own section and file:
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PDSERVE_KERNELS=portable \
+        python -m pdserve.benchmarks.engine --dtypes float32 --section engine_avx2 --out docs/results/engine_avx2.json
+
 Each (system, dtype) runs in a fresh subprocess so that memory figures are its own. Measures
 prefill tok/s (512-token prompt), decode tok/s at batch 1/8/32 (128-token prompts), offline
 throughput for 8 x 512 -> 128 and 1 x 2048 -> 64, KV bytes per token and RSS. Writes
@@ -13,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -24,6 +27,7 @@ import torch
 
 from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
+from pdserve.platform import CPU_ENV, CpuInfo
 
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
@@ -46,8 +50,9 @@ def bench_pdserve(dtype: str, quick: bool) -> dict:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(dtype=dtype)
-    result = {"rss_after_load_mib": rss_mib(), "kv_bytes_per_token": llm.engine.model_config.kv_bytes_per_token(
-        llm.engine.config.torch_dtype)}
+    plan = llm.engine.plan
+    result = {"engine": plan.labels(), "rss_after_load_mib": rss_mib(),
+              "kv_bytes_per_token": llm.engine.model_config.kv_bytes_per_token(plan.torch_dtype)}
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     llm.generate(random_prompts(2, 64, 0), greedy(4))  # warm up
 
@@ -85,7 +90,9 @@ def bench_transformers(dtype: str, quick: bool) -> dict:
     from pdserve.models.loader import resolve_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype)).eval()
-    result = {"rss_after_load_mib": rss_mib()}
+    cpu = CpuInfo.detect()
+    result = {"engine": {"device": "cpu", "device_name": cpu.model, "isa": cpu.isa, "dtype": dtype,
+                         "kernels": "transformers"}, "rss_after_load_mib": rss_mib()}
 
     @torch.inference_mode()
     def prefill_time(prompt):
@@ -154,11 +161,17 @@ METRICS = [
 
 def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
     cols = [(s, d) for d in dtypes for s in ("pdserve", "transformers")]
+    meta = results["meta"]
+    env = ", ".join(f"{k}={v}" for k, v in meta["env"].items())
     lines = [
-        f"Command: `python -m pdserve.benchmarks.engine --threads {threads}` "
-        f"({results['meta']['date']}, {results['meta']['cpu']}, {threads} thread(s), SmolLM2-135M-Instruct).",
+        f"Command: `{env + ' ' if env else ''}python -m pdserve.benchmarks.engine --threads {threads}` "
+        f"({meta['date']}, {threads} thread(s), SmolLM2-135M-Instruct).",
         "",
-        "| metric | " + " | ".join(f"{s} {d}" for s, d in cols) + " |",
+        f"CPU: {meta['cpu']}, ISA {meta['isa']} (torch's dispatch level), torch {meta['torch']}. "
+        "Kernel path per column: onednn = bf16 weights pre-packed for oneDNN, portable = torch's own "
+        "operators, transformers = its eager model.",
+        "",
+        "| metric | " + " | ".join(f"{s} {d} ({results[s][d]['engine']['kernels']})" for s, d in cols) + " |",
         "|---|" + "---|" * len(cols),
     ]
     for key, label in METRICS:
@@ -192,6 +205,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and shapes (a smoke run)")
     parser.add_argument("--only", choices=["pdserve", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="docs/results/engine.json")
+    parser.add_argument("--section", default="engine", help="the section of docs/benchmarks.md to rewrite")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args()
 
@@ -201,10 +215,14 @@ def main() -> None:
         print(json.dumps(fn(args.dtypes[0], args.quick)))
         return
 
+    cpu = CpuInfo.detect()
     results: dict = {
         "meta": {
             "date": time.strftime("%Y-%m-%d"),
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu.model,
+            "isa": cpu.isa,
+            "onednn_bf16": cpu.onednn_bf16,
+            "env": {k: os.environ[k] for k in CPU_ENV if os.environ.get(k)},
             "threads": args.threads,
             "torch": torch.__version__,
         },
@@ -218,7 +236,9 @@ def main() -> None:
     if args.no_docs:
         print(table)
     else:
-        publish(results, args.out, "engine", "Engine: pdserve vs transformers", table)
+        title = "Engine: pdserve vs transformers" + (f" ({env_title})" if (env_title := ", ".join(
+            f"{k}={v}" for k, v in results["meta"]["env"].items())) else "")
+        publish(results, args.out, args.section, title, table)
 
 
 if __name__ == "__main__":

@@ -290,6 +290,9 @@ def report(summary: dict) -> str:
         f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:>12.2f}",
         f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:>12.2f}",
     ]
+    for engine in summary.get("engines", []):
+        label = f"Engine ({engine.get('role', 'node')}):"
+        lines.append(f"{label:<40}{engine.get('dtype', '?')}, {engine.get('kernels', '?')} kernels, {engine.get('isa', '?')}")
     if "request_goodput" in summary:
         lines.append(f"{'Request goodput (req/s):':<40}{summary['request_goodput']:>12.2f}")
         lines.append(f"{'SLO attainment:':<40}{summary['slo_attainment'] * 100:>11.1f}%")
@@ -327,6 +330,21 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def server_engines(url: str) -> list[dict]:
+    """What the measured server runs on (device, ISA, dtype, kernels per node): a pdserve proxy's
+    /v1/nodes, or a pdserve node's /metrics; [] for other servers."""
+    from pdserve.proxy.app import engine_info
+
+    try:
+        nodes = httpx.get(url + "/v1/nodes", timeout=5)
+        if nodes.status_code == 200:
+            return [{"url": n["url"], "role": n["role"], **n.get("engine", {})} for n in nodes.json()["nodes"]]
+        info = engine_info(httpx.get(url + "/metrics", timeout=5).text)
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+    return [{"url": url, **info}] if info else []
+
+
 def main(args) -> int:
     """Entry point of `pdserve bench` (arguments parsed by pdserve.cli)."""
     slos = parse_goodput(args.goodput)
@@ -357,6 +375,7 @@ def main(args) -> int:
     results, duration = asyncio.run(run_benchmark(args.base_url.rstrip("/"), requests, args.endpoint, args.model,
                                                   rate, args.burstiness, args.max_concurrency, args.seed))
     summary = summarize(results, duration, slos)
+    summary["engines"] = server_engines(args.base_url.rstrip("/"))
     summary.update({"base_url": args.base_url, "endpoint": args.endpoint, "dataset": args.dataset,
                     "num_prompts": args.num_prompts, "request_rate": args.request_rate,
                     "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,

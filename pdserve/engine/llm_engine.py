@@ -19,6 +19,7 @@ from pdserve.kv.pull import HeldBlocks
 from pdserve.kv.stats import KVStats
 from pdserve.models.loader import load_model, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.platform import plan_kernels
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ class LLMEngine:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
+        # dtype and kernels from what the device supports; a slower path asked for is said once here.
+        self.plan = plan_kernels(config.dtype, config.device, config.kernels)
+        logger.info("kernels: %s", self.plan.describe())
+        if self.plan.warning:
+            logger.warning(self.plan.warning)
+        dtype = self.plan.torch_dtype
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -39,7 +46,7 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
 
-        bytes_per_block = config.block_size * mc.kv_bytes_per_token(config.torch_dtype)
+        bytes_per_block = config.block_size * mc.kv_bytes_per_token(dtype)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
         capacity = num_blocks * config.block_size
         if config.max_model_len is not None:
@@ -63,13 +70,13 @@ class LLMEngine:
             else max(config.max_num_batched_tokens, self.max_model_len)
         )
 
-        model = load_model(self.model_dir, config.torch_dtype, config.device, self.max_model_len)
+        model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack)
         kv = config.kv_transfer
         # P and D keep their pools in shared memory (unless tcp is forced), so that a peer on this
         # host can copy blocks with one memcpy: D out of P's pool (pull), P into D's pool (push).
         self.pool = KVPool(
             (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
-            config.torch_dtype, config.device, shared=kv.role != "both" and kv.transport != "tcp",
+            dtype, config.device, shared=kv.role != "both" and kv.transport != "tcp",
         )
         self.engine_id = new_engine_id()
         self.kv_stats = KVStats()
@@ -90,7 +97,7 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            self.model_dir.name, config.dtype, num_blocks, config.block_size,
+            self.model_dir.name, self.plan.dtype, num_blocks, config.block_size,
             num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
 

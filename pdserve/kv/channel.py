@@ -45,14 +45,17 @@ def _mac(secret: bytes, label: bytes, *nonces: bytes) -> bytes:
     return hmac.new(secret, label + b"".join(nonces), hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> None:
-    """Challenge the peer, check its proof, prove ourselves; AuthError if the peer fails."""
+def server_handshake(sock: socket.socket, secret: bytes, refused: Callable[[str], None] = lambda why: None) -> None:
+    """Challenge the peer, check its proof, prove ourselves; AuthError if the peer fails.
+    `refused(why)` runs before the peer is told, so that a refusal is on record once the peer knows."""
     nonce = secrets.token_bytes(32)
     send_msg(sock, Challenge(nonce))
     auth = recv_msg(sock)
     if not isinstance(auth, Auth) or not hmac.compare_digest(auth.mac, _mac(secret, b"client", nonce, auth.nonce)):
+        why = "peer failed the shared-secret challenge"
+        refused(why)
         send_msg(sock, AuthResult(ok=False, error="authentication failed"))
-        raise AuthError("peer failed the shared-secret challenge")
+        raise AuthError(why)
     send_msg(sock, AuthResult(ok=True, mac=_mac(secret, b"server", auth.nonce, nonce)))
 
 
@@ -107,9 +110,9 @@ class SideChannelServer:
                 tune_socket(conn)
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 try:
-                    server_handshake(conn, self.secret)
-                except AuthError as exc:
-                    logger.warning("%s: refused connection from %s: %s", self.name, addr, exc)
+                    server_handshake(conn, self.secret, lambda why: logger.warning(
+                        "%s: refused connection from %s: %s", self.name, addr, why))
+                except AuthError:
                     return
                 conn.settimeout(None)
                 msg = recv_msg(conn)

@@ -33,7 +33,8 @@ def padded_rows(rows: int) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on oneDNN's pre-packed weights (bf16 on CPU: ~1.5x faster GEMV)."""
+    """nn.Linear that can run on oneDNN's pre-packed weights (bf16 on a CPU with native bf16 GEMMs,
+    as pdserve.platform decides: ~1.5x faster GEMV)."""
 
     packed_weight: torch.Tensor | None = None
 
@@ -47,15 +48,6 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
-
-
-def can_pack_for_cpu(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
 
 
 class RMSNorm(nn.Module):
@@ -192,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
                 module.out_dtype = dtype
 
     def pack_for_cpu(self) -> None:
-        """Pre-pack every projection for oneDNN where that is faster (bf16 weights on a CPU)."""
+        """Pre-pack every bf16 projection for oneDNN (only where the CPU runs bf16 GEMMs natively)."""
         for module in self.modules():
-            if isinstance(module, Linear) and can_pack_for_cpu(module.weight):
+            if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
                 module.pack_for_cpu()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

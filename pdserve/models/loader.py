@@ -66,7 +66,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return out_dir
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int) -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int,
+               prepack: bool = False) -> LlamaForCausalLM:
+    """The model with its weights in `dtype`; `prepack` re-lays its bf16 projections for oneDNN."""
     config = ModelConfig.from_dir(model_dir)
     weights: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
@@ -85,5 +87,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     model.load_hf_state_dict(weights)
     del weights
     model.rope.reset_tables(device)
-    model.pack_for_cpu()
+    if prepack:
+        model.pack_for_cpu()
     return model.eval()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +28,8 @@ class NodeMetrics:
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
         self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests", ["finish_reason"], registry=r)
+        # pdserve:engine_info{device=,device_name=,isa=,dtype=,kernels=} 1: what this node runs on.
+        Info("pdserve:engine", "Device, ISA, dtype and kernel path of the engine", registry=r).info(engine.plan.labels())
         scheduler, blocks = engine.scheduler, engine.block_manager
         Gauge("pdserve:num_requests_running", "Requests in the running batch", registry=r).set_function(
             lambda: len(scheduler.running)

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.node.errors import error_body, error_response, install_error_handlers, too_busy
 from pdserve.node.guards import GuardMiddleware, overloaded
@@ -263,6 +264,8 @@ class Proxy:
                 used, total = _sample(text, "pdserve:kv_blocks_used"), _sample(text, "pdserve:kv_blocks_total")
                 if total:
                     node.kv_usage = used / total
+                if text:  # a node restarted at the same URL may run another dtype
+                    node.engine = engine_info(text)
             await asyncio.sleep(self.config.health_interval_s)
 
     # -- the flow -------------------------------------------------------------------------------
@@ -510,6 +513,15 @@ def _sample(metrics_text: str, name: str) -> float:
     return 0.0
 
 
+def engine_info(metrics_text: str) -> dict[str, str]:
+    """What a node runs on (device, ISA, dtype, kernels): the labels of its pdserve:engine_info."""
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "pdserve:engine_info":
+                return dict(sample.labels)
+    return {}
+
+
 def _upstream(status: int, message: str) -> dict:
     return error_body(status, message, type_="upstream_error")
 
@@ -526,4 +538,4 @@ def _transport_error(node: Node, exc: httpx.HTTPError) -> NodeError:
 
 def _describe(node: Node) -> dict:
     return {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
-            "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served}
+            "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served, "engine": node.engine}

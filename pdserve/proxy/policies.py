@@ -16,6 +16,7 @@ class Node:
     kv_usage: float = 0.0  # fraction of the node's KV blocks in use (from its /metrics)
     served: int = 0
     failures: int = 0  # consecutive failed health checks
+    engine: dict[str, str] = field(default_factory=dict)  # device, isa, dtype, kernels (its engine_info)
 
     def record_check(self, ok: bool, max_failures: int) -> None:
         """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""

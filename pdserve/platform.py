@@ -1,0 +1,159 @@
+"""What this machine runs well: its CPU (or GPU), ISA, and the dtype and kernel path chosen from them.
+
+bfloat16 GEMMs are native on a CPU where oneDNN runs them (avx512bw + avx512vl + avx512dq,
+avx_ne_convert, AMX): there the projections run on bf16 weights pre-packed for oneDNN, several times
+float32's prefill speed. On AVX2-only CPUs (many AMD EPYC) oneDNN refuses bf16 outright and torch's
+generic bf16 GEMM is slower than float32, so `auto` picks float32 on the portable path: torch's own
+operators, which run on any CPU and on CUDA.
+
+`PDSERVE_KERNELS=portable` forces the portable path (and float32 for `auto`) on any machine, so that
+both paths can be tested everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KERNELS_ENV = "PDSERVE_KERNELS"
+# Variables that change which kernels run: recorded beside every benchmark figure. The first three
+# make this machine run as an AVX2-only CPU would (ATen's dispatch, oneDNN, MKL).
+CPU_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", KERNELS_ENV)
+# Set before torch loads, these make an AVX-512 machine choose and run kernels as an AVX2-only one
+# does: oneDNN then refuses bf16 with the very error an AMD EPYC gives.
+AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+KERNEL_MODES = ("auto", "portable")  # what a user may ask for
+ONEDNN, PORTABLE = "onednn", "portable"  # the kernel paths
+# oneDNN's bf16 GEMMs need all three, or avx_ne_convert (torch's own check at pack time).
+BF16_FEATURES = ("avx512bw", "avx512vl", "avx512dq")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # "AMD EPYC 7B13", "Intel(R) Xeon(R) Processor", ...
+    isa: str  # ATen's dispatch level: torch.backends.cpu.get_cpu_capability() ("AVX512", "AVX2", ...)
+    flags: frozenset[str]  # /proc/cpuinfo flags (empty where there is none)
+    onednn_bf16: bool  # oneDNN offers bf16 GEMMs here
+
+    @classmethod
+    def detect(cls) -> CpuInfo:
+        model, flags = "", frozenset()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    key = key.strip()
+                    if key == "model name" and not model:
+                        model = value.strip()
+                    elif key == "flags" and not flags:
+                        flags = frozenset(value.split())
+        except OSError:
+            pass
+        onednn_bf16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cls(model or platform.processor() or platform.machine(), torch.backends.cpu.get_cpu_capability(),
+                   flags, onednn_bf16)
+
+    def bf16_missing(self) -> str:
+        """Why this CPU has no native bf16 GEMMs, naming the features it lacks."""
+        missing = [f for f in BF16_FEATURES if f not in self.flags]
+        if self.flags and (not missing or "avx_ne_convert" in self.flags):
+            return "oneDNN reports no bf16 support although the CPU lists its features (ONEDNN_MAX_CPU_ISA may cap it)"
+        return (f"the CPU lacks {', '.join(missing)} (oneDNN's bf16 GEMMs need avx512bw, avx512vl and avx512dq, "
+                "or avx_ne_convert)")
+
+
+@functools.cache
+def onednn_bf16_prepack_works() -> bool:
+    """Pack a small bf16 weight for oneDNN and run it: the pack-time check torch makes, and the result."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=gen).bfloat16()
+    x = torch.randn(5, 32, generator=gen).bfloat16()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.allclose(out.float(), F.linear(x.float(), weight.float()), rtol=2e-2, atol=5e-2)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The dtype and kernel path a node runs, and why."""
+
+    device: str
+    device_name: str  # CPU model or GPU name
+    isa: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    kernels: str  # onednn (pre-packed bf16 weights) | portable (torch's own operators)
+    reason: str
+    warning: str | None = None  # logged once at start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def prepack(self) -> bool:
+        return self.kernels == ONEDNN
+
+    def labels(self) -> dict[str, str]:
+        """For the `pdserve:engine_info` gauge and the benchmarks' JSON."""
+        return {"device": self.device, "device_name": self.device_name, "isa": self.isa, "dtype": self.dtype,
+                "kernels": self.kernels}
+
+    def describe(self) -> str:
+        return f"{self.device_name} ({self.isa}): {self.dtype} on {self.kernels} kernels ({self.reason})"
+
+
+def kernel_mode(kernels: str | None = None) -> str:
+    """`kernels` if given, else $PDSERVE_KERNELS, else auto; ValueError for anything else."""
+    mode = kernels if kernels is not None else (os.environ.get(KERNELS_ENV) or "auto")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels ({KERNELS_ENV}) must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+    return mode
+
+
+def plan_kernels(dtype: str = "auto", device: str = "cpu", kernels: str | None = None,
+                 cpu: CpuInfo | None = None) -> KernelPlan:
+    """Choose the dtype (for `auto`) and the kernel path from what the device reports."""
+    mode = kernel_mode(kernels)
+    if device != "cpu":
+        return _plan_accelerator(dtype, device)
+    cpu = cpu or CpuInfo.detect()
+
+    def plan(resolved: str, path: str, reason: str, warning: str | None = None) -> KernelPlan:
+        return KernelPlan(device, cpu.model, cpu.isa, resolved, path, reason, warning)
+
+    if mode == "portable":
+        return plan("float32" if dtype == "auto" else dtype, PORTABLE, f"{KERNELS_ENV}=portable")
+    if dtype == "float32":
+        return plan(dtype, PORTABLE, "float32 asked for")
+    if cpu.onednn_bf16 and onednn_bf16_prepack_works():
+        if dtype in ("auto", "bfloat16"):
+            return plan("bfloat16", ONEDNN, "native bf16 GEMMs")
+        return plan(dtype, PORTABLE, f"{dtype} asked for")
+    why = cpu.bf16_missing()
+    if dtype == "auto":
+        return plan("float32", PORTABLE, f"no native bf16: {why}")
+    return plan(dtype, PORTABLE, f"{dtype} asked for",
+                f"--dtype {dtype}: no native bf16 GEMMs on this CPU; {why}. Running the portable {dtype} path: "
+                "correct, but slower than float32 here (--dtype auto picks float32)")
+
+
+def _plan_accelerator(dtype: str, device: str) -> KernelPlan:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        name, isa = torch.cuda.get_device_name(dev), f"sm_{major}{minor}"
+        native_bf16 = torch.cuda.is_bf16_supported()
+    else:
+        name, isa, native_bf16 = dev.type, dev.type, True
+    if dtype == "auto":
+        dtype = "bfloat16" if native_bf16 else "float16"
+        return KernelPlan(device, name, isa, dtype, PORTABLE, f"auto on {dev.type}")
+    return KernelPlan(device, name, isa, dtype, PORTABLE, f"{dtype} asked for")
