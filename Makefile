@@ -4,7 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: up test install install-test bench
+.PHONY: up test test-portable test-avx2 install install-test bench
+
+# The portable kernels forced, on an AVX-512 machine made to run as an AVX2-only CPU does
+# (ATen, oneDNN and MKL capped at AVX2): oneDNN then refuses bf16 as an AMD EPYC does.
+PORTABLE_AVX2 := PDSERVE_KERNELS=portable ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +28,16 @@ up: install
 
 test: install-test
 	$(PY) -m pytest -q
+
+# CI's second pass: the engine-vs-transformers correctness tests and one PD equivalence test
+# (push = pull = colocated) on the portable path as an AVX2-only CPU runs it.
+test-portable: install-test
+	$(PORTABLE_AVX2) $(PY) -m pytest -q tests/test_model_vs_transformers.py tests/test_platform.py \
+		tests/test_pd_push.py::test_push_equals_pull_equals_colocated
+
+# The whole suite on that path (about as long as `make test`).
+test-avx2: install-test
+	$(PORTABLE_AVX2) $(PY) -m pytest -q
 
 bench: install-test
 	$(PIP) install -q -e '.[bench]'

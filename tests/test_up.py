@@ -1,0 +1,111 @@
+"""`pdserve up` as a new user meets it: with no flags on an AVX2-only CPU, and with a node that dies
+while starting (one line naming the error, the others stopped, a non-zero exit at once)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
+from servers import free_port
+
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def test_up_with_no_flags_on_an_avx2_only_cpu_answers_the_readme_curl(tmp_path):
+    port = free_port()
+    env = {**os.environ, **AVX2_EMULATION}
+    env.pop(KERNELS_ENV, None)
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--kv-cache-memory", "0.15"],
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, "pdserve up not ready after 180 s"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        answer = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        # Wait for the proxy's health poll to have read each node's engine_info.
+        deadline = time.monotonic() + 10
+        nodes = httpx.get(url + "/v1/nodes").json()["nodes"]
+        while not all(node["engine"] for node in nodes):
+            assert time.monotonic() < deadline, nodes
+            time.sleep(0.2)
+            nodes = httpx.get(url + "/v1/nodes").json()["nodes"]
+        for node in nodes:
+            assert (node["engine"]["dtype"], node["engine"]["kernels"], node["engine"]["isa"]) == \
+                ("float32", "portable", "AVX2"), node
+    finally:
+        up.terminate()
+        assert up.wait(30) == 0
+    out = (tmp_path / "up.log").read_text()
+    assert "(AVX2): float32 on portable kernels" in out
+    assert "Traceback" not in out
+
+
+def test_a_node_that_dies_while_starting_is_told_in_one_line(tmp_path, smollm_dir):
+    """Weights that cannot be read: both nodes die with a traceback; up prints one line, stops the
+    rest and exits non-zero."""
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / name, model / name)
+    (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json and not tensors")
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), "--model", str(model)],
+                         capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert run.returncode == 1, run.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s to give up"
+    lines = [line for line in run.stderr.splitlines() if "while starting" in line]
+    assert len(lines) == 1, run.stderr
+    assert re.match(r"pdserve up: (prefill|decode)-\d exited with status 1 while starting: \S*Error", lines[0]), lines[0]
+    assert "Traceback" not in run.stderr and "Traceback" not in run.stdout
+    full = Path(re.search(r"full output: (\S+)\)", lines[0]).group(1))
+    try:
+        assert "Traceback" in full.read_text()
+    finally:
+        full.unlink()
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(model)):
+        assert time.monotonic() < deadline, processes_mentioning(str(model))
+        time.sleep(0.2)
+
+
+def test_a_bad_kernel_setting_stops_up_before_any_node_starts(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port())],
+                         env={**os.environ, KERNELS_ENV: "fastest"}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "pdserve: error: kernels (PDSERVE_KERNELS) must be one of auto, portable, got 'fastest'")
+    assert "starting" not in run.stdout
