@@ -17,6 +17,7 @@ from pdserve.benchmarks.serving import (
     random_dataset,
     summarize,
 )
+from pdserve.platform import plan_kernels
 from servers import start_pdserve
 
 
@@ -77,5 +78,11 @@ def test_bench_against_a_real_node(tmp_path):
             assert result[key] > 0
         assert png.read_bytes()[:4] == b"\x89PNG"
         assert "Mean TTFT (ms)" in proc.stdout
+        # What the node ran on, as its engine_info says (the default dtype: this CPU's choice).
+        plan = plan_kernels("auto")
+        [engine] = result["engines"]
+        assert engine["url"] == node.url
+        assert (engine["dtype"], engine["kernels"], engine["isa"]) == (plan.dtype, plan.kernels, plan.isa)
+        assert f"{plan.dtype}, {plan.kernels} kernels, {plan.isa}" in proc.stdout
     finally:
         node.stop()

@@ -23,6 +23,7 @@ import torch
 
 from pdserve.benchmarks.report import publish
 from pdserve.launcher import Child, Cluster
+from pdserve.platform import plan_kernels
 
 
 def metric_sum(url: str, name: str, labels: str = "") -> float:
@@ -121,9 +122,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
     parser.add_argument("--out", default="docs/results/push.json")
     args = parser.parse_args()
+    args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
     res = run(args.lens, args.repeats, args.dtype)
     publish(res, args.out, "push", "Layer-wise push vs pull vs colocated: TTFT", markdown(res, args))
 

@@ -23,6 +23,7 @@ from pdserve.benchmarks.push import metric_sum
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import random_dataset, run_benchmark
 from pdserve.benchmarks.study import Up
+from pdserve.platform import plan_kernels
 
 MAX_RSS_GROWTH = 0.05
 BLOCK_METRICS = ("pdserve:kv_blocks_used", "pdserve:kv_blocks_held")
@@ -111,9 +112,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--settle", type=float, default=3.0, help="seconds idle before the last RSS reading")
     parser.add_argument("--mode", default="pull", choices=["pull", "push"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
     parser.add_argument("--out", default=None, help="default: docs/results/soak.json (pull), soak_push.json (push)")
     args = parser.parse_args()
+    args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
     if args.requests < 1 or args.rate <= 0:
         parser.error("--requests must be >= 1 and --rate > 0")
     res = run(args)

@@ -1,6 +1,6 @@
 """Node start-up time (weights already converted and cached) and idle RSS.
 
-    python -m pdserve.benchmarks.startup [--runs 3] [--dtype bfloat16]
+    python -m pdserve.benchmarks.startup [--runs 3] [--dtype auto]
 
 Starts `pdserve serve` on a free loopback port, times process start -> first 200 from /health,
 reads the idle process's RSS, stops it with SIGTERM. Writes `docs/results/startup.json` and a
@@ -22,6 +22,7 @@ from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
 from pdserve.launcher import free_port
 from pdserve.models.loader import resolve_model_dir
+from pdserve.platform import plan_kernels
 
 
 def one_start(dtype: str) -> dict:
@@ -51,9 +52,10 @@ def one_start(dtype: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
     parser.add_argument("--out", default="docs/results/startup.json")
     args = parser.parse_args()
+    args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
     resolve_model_dir(None)  # make sure the converted weights are cached before timing
     runs = [one_start(args.dtype) for _ in range(args.runs)]
     result = {

@@ -37,6 +37,7 @@ import httpx
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import mixed_dataset, random_dataset, run_benchmark, summarize
 from pdserve.launcher import Child, Cluster, free_port
+from pdserve.platform import plan_kernels
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128
 CHUNK_BUDGET = 256
@@ -322,11 +323,12 @@ def main() -> None:
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--ttft-scale", type=float, default=2.0)
     parser.add_argument("--tpot-scale", type=float, default=1.5)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
     parser.add_argument("--out", default="docs/results/study.json")
     parser.add_argument("--from-json", default=None, metavar="PATH",
                         help="redo the plots and the report from an earlier run's JSON instead of measuring")
     args = parser.parse_args()
+    args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())
         finish(res, args)

@@ -28,6 +28,7 @@ from pdserve.benchmarks.report import publish
 from pdserve.kv.pool import KVPool, RemotePool
 from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
+from pdserve.platform import plan_kernels
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
 
@@ -178,10 +179,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
     parser.add_argument("--out", default="docs/results/transfer.json")
     parser.add_argument("--serve-blocks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
     if args.serve_blocks:
         serve_blocks(args.mib, args.repeats)
         return
