@@ -173,7 +173,9 @@ class Cluster:
                     pass
             if pending:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {[c.name for c in pending]}")
+                    late = ", ".join(f"{c.name} (its output: {c.output.save(c.name)})" if c.output else c.name
+                                     for c in pending)
+                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {late}")
                 time.sleep(0.2)
 
     def dead_child(self) -> Child | None:
