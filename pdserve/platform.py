@@ -1,10 +1,13 @@
 """What this machine runs well: its CPU (or GPU), ISA, and the dtype and kernel path chosen from them.
 
-bfloat16 GEMMs are native on a CPU where oneDNN runs them (avx512bw + avx512vl + avx512dq,
-avx_ne_convert, AMX): there the projections run on bf16 weights pre-packed for oneDNN, several times
-float32's prefill speed. On AVX2-only CPUs (many AMD EPYC) oneDNN refuses bf16 outright and torch's
-generic bf16 GEMM is slower than float32, so `auto` picks float32 on the portable path: torch's own
-operators, which run on any CPU and on CUDA.
+bfloat16 is the fast choice only where the CPU has bf16 arithmetic: avx512_bf16, AMX or
+avx_ne_convert. There the projections run on bf16 weights pre-packed for oneDNN (about 4x float32's
+prefill on a Xeon with avx512_bf16). Elsewhere `auto` picks float32 on the portable path (torch's own
+operators, which run on any CPU and on CUDA):
+- AVX2-only CPUs (many AMD EPYC): oneDNN refuses bf16 outright ("bf16 path needs the cpu support
+  avx_ne_convert or avx512bw, avx512vl and avx512dq");
+- AVX-512 CPUs without avx512_bf16: oneDNN accepts bf16 but emulates it, and measured 3.7x slower
+  than float32 in prefill (docs/benchmarks.md).
 
 `PDSERVE_KERNELS=portable` forces the portable path (and float32 for `auto`) on any machine, so that
 both paths can be tested everywhere.
@@ -29,16 +32,18 @@ CPU_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS
 AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 KERNEL_MODES = ("auto", "portable")  # what a user may ask for
 ONEDNN, PORTABLE = "onednn", "portable"  # the kernel paths
-# oneDNN's bf16 GEMMs need all three, or avx_ne_convert (torch's own check at pack time).
-BF16_FEATURES = ("avx512bw", "avx512vl", "avx512dq")
+# oneDNN takes bf16 with all three, or avx_ne_convert (torch's own check at pack time)...
+ONEDNN_BF16_FEATURES = ("avx512bw", "avx512vl", "avx512dq")
+# ... but computes it natively only with one of these (else it converts to float32 and back).
+NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16", "avx_ne_convert")
 
 
 @dataclass(frozen=True)
 class CpuInfo:
     model: str  # "AMD EPYC 7B13", "Intel(R) Xeon(R) Processor", ...
     isa: str  # ATen's dispatch level: torch.backends.cpu.get_cpu_capability() ("AVX512", "AVX2", ...)
-    flags: frozenset[str]  # /proc/cpuinfo flags (empty where there is none)
-    onednn_bf16: bool  # oneDNN offers bf16 GEMMs here
+    flags: frozenset[str]  # /proc/cpuinfo flags, plus what torch reports of NATIVE_BF16_FEATURES
+    onednn_bf16: bool  # oneDNN takes bf16 GEMMs here (natively or emulated)
 
     @classmethod
     def detect(cls) -> CpuInfo:
@@ -54,13 +59,24 @@ class CpuInfo:
                         flags = frozenset(value.split())
         except OSError:
             pass
+        # torch's own reading (cpuinfo) where /proc has none: these are the ones that decide.
+        for name, ask in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx_bf16", "_is_amx_tile_supported")):
+            if getattr(torch.cpu, ask, lambda: False)():
+                flags |= {name}
         onednn_bf16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         return cls(model or platform.processor() or platform.machine(), torch.backends.cpu.get_cpu_capability(),
                    flags, onednn_bf16)
 
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 GEMMs in bf16 arithmetic, not emulated."""
+        return self.onednn_bf16 and any(f in self.flags for f in NATIVE_BF16_FEATURES)
+
     def bf16_missing(self) -> str:
         """Why this CPU has no native bf16 GEMMs, naming the features it lacks."""
-        missing = [f for f in BF16_FEATURES if f not in self.flags]
+        if self.onednn_bf16:
+            return "the CPU lacks avx512_bf16, amx_bf16 and avx_ne_convert, so oneDNN emulates bf16 GEMMs"
+        missing = [f for f in ONEDNN_BF16_FEATURES if f not in self.flags]
         if self.flags and (not missing or "avx_ne_convert" in self.flags):
             return "oneDNN reports no bf16 support although the CPU lists its features (ONEDNN_MAX_CPU_ISA may cap it)"
         return (f"the CPU lacks {', '.join(missing)} (oneDNN's bf16 GEMMs need avx512bw, avx512vl and avx512dq, "
@@ -131,17 +147,18 @@ def plan_kernels(dtype: str = "auto", device: str = "cpu", kernels: str | None =
 
     if mode == "portable":
         return plan("float32" if dtype == "auto" else dtype, PORTABLE, f"{KERNELS_ENV}=portable")
-    if dtype == "float32":
-        return plan(dtype, PORTABLE, "float32 asked for")
-    if cpu.onednn_bf16 and onednn_bf16_prepack_works():
-        if dtype in ("auto", "bfloat16"):
-            return plan("bfloat16", ONEDNN, "native bf16 GEMMs")
+    if dtype in ("float32", "float16"):
         return plan(dtype, PORTABLE, f"{dtype} asked for")
+    packs = cpu.onednn_bf16 and onednn_bf16_prepack_works()
+    if packs and cpu.native_bf16:
+        return plan("bfloat16", ONEDNN, "native bf16 GEMMs")
     why = cpu.bf16_missing()
     if dtype == "auto":
         return plan("float32", PORTABLE, f"no native bf16: {why}")
-    return plan(dtype, PORTABLE, f"{dtype} asked for",
-                f"--dtype {dtype}: no native bf16 GEMMs on this CPU; {why}. Running the portable {dtype} path: "
+    # bfloat16 asked for without native support: the best bf16 path there is, said once.
+    path = ONEDNN if packs else PORTABLE
+    return plan("bfloat16", path, "bfloat16 asked for",
+                f"--dtype bfloat16: no native bf16 GEMMs on this CPU; {why}. Running bfloat16 on {path} kernels: "
                 "correct, but slower than float32 here (--dtype auto picks float32)")
 
 

@@ -21,7 +21,7 @@ def test_padded_rows_is_small_bounded_and_monotone():
 
 
 @pytest.mark.skipif(not (CpuInfo.detect().onednn_bf16 and onednn_bf16_prepack_works()),
-                    reason="this CPU has no native bf16 GEMMs (no oneDNN bf16 packing)")
+                    reason="oneDNN takes no bf16 on this CPU (no packing)")
 @pytest.mark.parametrize("rows", [1, 7, 17, 33, 100, 257])
 def test_packed_linear_equals_plain_linear(rows):
     torch.manual_seed(rows)

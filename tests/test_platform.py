@@ -17,10 +17,12 @@ from pdserve.platform import AVX2_EMULATION, KERNELS_ENV, CpuInfo, onednn_bf16_p
 from test_model_vs_transformers import CHATS, PROMPTS, pdserve_prompt_logits
 
 EPYC_AVX2 = CpuInfo("AMD EPYC 7B13 64-Core Processor", "AVX2", frozenset({"avx", "avx2", "fma", "f16c"}), False)
-XEON_AVX512 = CpuInfo("Intel(R) Xeon(R) Processor", "AVX512",
-                      frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}), True)
+AVX512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+XEON_AVX512 = CpuInfo("Intel(R) Xeon(R) Processor", "AVX512", AVX512, True)  # oneDNN emulates bf16
+XEON_AVX512_BF16 = CpuInfo("Intel(R) Xeon(R) Processor", "AVX512", AVX512 | {"avx512_bf16"}, True)
 HOST = CpuInfo.detect()
-HOST_NATIVE_BF16 = HOST.onednn_bf16 and onednn_bf16_prepack_works()
+HOST_PACKS_BF16 = HOST.onednn_bf16 and onednn_bf16_prepack_works()  # the onednn path runs here
+NO_ONEDNN_BF16 = f"oneDNN takes no bf16 on this CPU ({HOST.bf16_missing()})"
 
 
 @pytest.fixture(autouse=True)
@@ -41,20 +43,30 @@ def test_bfloat16_asked_for_on_an_avx2_cpu_runs_portable_with_one_warning_naming
     assert plan_kernels("float32", cpu=EPYC_AVX2).warning is None
 
 
-@pytest.mark.skipif(not HOST_NATIVE_BF16, reason=f"this CPU has no native bf16 GEMMs ({HOST.bf16_missing()})")
-def test_avx512_cpu_keeps_the_bf16_fast_path():
-    # The pack check itself runs on this CPU, so it needs one where oneDNN's bf16 works.
-    plan = plan_kernels("auto", cpu=XEON_AVX512)
+@pytest.mark.skipif(not HOST_PACKS_BF16, reason=NO_ONEDNN_BF16)
+def test_avx512_bf16_cpu_keeps_the_bf16_fast_path():
+    # The pack check itself runs on this CPU, so it needs one where oneDNN takes bf16.
+    plan = plan_kernels("auto", cpu=XEON_AVX512_BF16)
     assert (plan.dtype, plan.kernels, plan.prepack, plan.warning) == ("bfloat16", "onednn", True, None)
-    assert plan_kernels("float32", cpu=XEON_AVX512).kernels == "portable"
+    assert plan_kernels("float32", cpu=XEON_AVX512_BF16).kernels == "portable"
+
+
+@pytest.mark.skipif(not HOST_PACKS_BF16, reason=NO_ONEDNN_BF16)
+def test_avx512_cpu_without_bf16_arithmetic_gets_float32():
+    # oneDNN takes bf16 there but emulates it: 3.7x slower than float32 in prefill (docs/benchmarks.md).
+    plan = plan_kernels("auto", cpu=XEON_AVX512)
+    assert (plan.dtype, plan.kernels, plan.warning) == ("float32", "portable", None)
+    assert "avx512_bf16" in plan.reason and "emulates" in plan.reason
+    asked = plan_kernels("bfloat16", cpu=XEON_AVX512)  # the faster bf16 path there is, with a warning
+    assert (asked.dtype, asked.kernels) == ("bfloat16", "onednn") and "avx512_bf16" in asked.warning
 
 
 def test_forced_portable_path(monkeypatch):
-    assert plan_kernels("auto", kernels="portable", cpu=XEON_AVX512).dtype == "float32"
+    assert plan_kernels("auto", kernels="portable", cpu=XEON_AVX512_BF16).dtype == "float32"
     monkeypatch.setenv(KERNELS_ENV, "portable")
-    plan = plan_kernels("auto", cpu=XEON_AVX512)
+    plan = plan_kernels("auto", cpu=XEON_AVX512_BF16)
     assert (plan.dtype, plan.kernels) == ("float32", "portable")
-    plan = plan_kernels("bfloat16", cpu=XEON_AVX512)
+    plan = plan_kernels("bfloat16", cpu=XEON_AVX512_BF16)
     assert (plan.dtype, plan.kernels, plan.warning) == ("bfloat16", "portable", None)  # asked for, not a fallback
 
 
@@ -73,9 +85,10 @@ def test_detection_reports_what_torch_and_onednn_report():
     assert HOST.model
     if sys.platform == "linux":
         assert HOST.flags  # read from /proc/cpuinfo
+    assert HOST.native_bf16 == (HOST.onednn_bf16 and bool({"avx512_bf16", "amx_bf16", "avx_ne_convert"} & HOST.flags))
+    fast = HOST_PACKS_BF16 and HOST.native_bf16
     plan = plan_kernels("auto")
-    assert plan.kernels == ("onednn" if HOST_NATIVE_BF16 else "portable")
-    assert plan.dtype == ("bfloat16" if HOST_NATIVE_BF16 else "float32")
+    assert (plan.dtype, plan.kernels) == (("bfloat16", "onednn") if fast else ("float32", "portable"))
     assert set(plan.labels()) == {"device", "device_name", "isa", "dtype", "kernels"}
 
 
@@ -85,7 +98,7 @@ def test_detection_reports_what_torch_and_onednn_report():
 @pytest.fixture(scope="module")
 def bf16_llms(smollm_dir):
     llms = {"portable": LLM(str(smollm_dir), dtype="bfloat16", kernels="portable", kv_cache_memory_gib=0.05)}
-    if HOST_NATIVE_BF16:
+    if HOST_PACKS_BF16:  # natively or emulated: the same kernels either way
         llms["onednn"] = LLM(str(smollm_dir), dtype="bfloat16", kernels="auto", kv_cache_memory_gib=0.05)
     return llms
 
@@ -93,7 +106,7 @@ def bf16_llms(smollm_dir):
 @pytest.mark.parametrize("kernels", ["onednn", "portable"])
 def test_bf16_kernel_path_matches_transformers(bf16_llms, hf_smollm, kernels):
     if kernels not in bf16_llms:
-        pytest.skip(f"this CPU has no native bf16 GEMMs ({HOST.bf16_missing()})")
+        pytest.skip(NO_ONEDNN_BF16)
     llm = bf16_llms[kernels]
     assert (llm.engine.plan.dtype, llm.engine.plan.kernels) == ("bfloat16", kernels)
     agree = total = 0
@@ -112,7 +125,7 @@ def test_bf16_kernel_path_matches_transformers(bf16_llms, hf_smollm, kernels):
 
 def test_bf16_kernel_paths_agree(bf16_llms):
     if "onednn" not in bf16_llms:
-        pytest.skip(f"this CPU has no native bf16 GEMMs ({HOST.bf16_missing()})")
+        pytest.skip(NO_ONEDNN_BF16)
     for prompt in PROMPTS:
         ids = bf16_llms["portable"].tokenizer.encode(prompt)
         fast, portable = (pdserve_prompt_logits(bf16_llms[k], ids) for k in ("onednn", "portable"))
