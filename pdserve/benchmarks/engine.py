@@ -92,7 +92,7 @@ def bench_transformers(dtype: str, quick: bool) -> dict:
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype)).eval()
     cpu = CpuInfo.detect()
     result = {"engine": {"device": "cpu", "device_name": cpu.model, "isa": cpu.isa, "dtype": dtype,
-                         "kernels": "transformers"}, "rss_after_load_mib": rss_mib()}
+                         "kernels": "eager"}, "rss_after_load_mib": rss_mib()}
 
     @torch.inference_mode()
     def prefill_time(prompt):
@@ -162,14 +162,14 @@ METRICS = [
 def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
     cols = [(s, d) for d in dtypes for s in ("pdserve", "transformers")]
     meta = results["meta"]
-    env = ", ".join(f"{k}={v}" for k, v in meta["env"].items())
+    env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
     lines = [
         f"Command: `{env + ' ' if env else ''}python -m pdserve.benchmarks.engine --threads {threads}` "
         f"({meta['date']}, {threads} thread(s), SmolLM2-135M-Instruct).",
         "",
         f"CPU: {meta['cpu']}, ISA {meta['isa']} (torch's dispatch level), torch {meta['torch']}. "
         "Kernel path per column: onednn = bf16 weights pre-packed for oneDNN, portable = torch's own "
-        "operators, transformers = its eager model.",
+        "operators, eager = transformers' own model.",
         "",
         "| metric | " + " | ".join(f"{s} {d} ({results[s][d]['engine']['kernels']})" for s, d in cols) + " |",
         "|---|" + "---|" * len(cols),
