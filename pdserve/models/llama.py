@@ -33,8 +33,8 @@ def padded_rows(rows: int) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on oneDNN's pre-packed weights (bf16 on a CPU with native bf16 GEMMs,
-    as pdserve.platform decides: ~1.5x faster GEMV)."""
+    """nn.Linear that can run on oneDNN's pre-packed weights (bf16 on a CPU, where pdserve.platform
+    chooses the onednn path: ~1.5x faster GEMV with bf16 arithmetic)."""
 
     packed_weight: torch.Tensor | None = None
 
@@ -184,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
                 module.out_dtype = dtype
 
     def pack_for_cpu(self) -> None:
-        """Pre-pack every bf16 projection for oneDNN (only where the CPU runs bf16 GEMMs natively)."""
+        """Pre-pack every bf16 projection for oneDNN (where pdserve.platform chose the onednn path)."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
+            if isinstance(module, Linear) and module.weight.is_cpu and module.weight.dtype == torch.bfloat16:
                 module.pack_for_cpu()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
