@@ -27,6 +27,7 @@ up: install
 	$(VENV)/bin/pdserve up
 
 test: install-test
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 # CI's second pass: the engine-vs-transformers correctness tests and one PD equivalence test

@@ -87,13 +87,15 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.kv_transfer_params_out: dict[str, Any] | None = None
         self.kv_external_tokens = 0  # D: tokens being loaded from P right now
-        self.kv_push_target = None  # P, push mode: where this request's layers go
-        self.kv_push_next_block = 0  # P, push mode: first block not yet fully pushed
         self.error: str | None = None  # why the request failed, when it did
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
 
     @property
     def num_tokens(self) -> int:

@@ -15,12 +15,11 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from pdserve.config import KVTransferConfig
-from pdserve.engine.request import Request
 from pdserve.kv.channel import resolve_secret
 from pdserve.kv.params import is_push, wants_remote_decode, wants_remote_prefill
 from pdserve.kv.pool import KVPool
@@ -38,6 +37,29 @@ REQUIRED_FIELDS = {
     ("push", "prefill"): {"remote_block_ids": list, "remote_host": str, "remote_port": int, "remote_request_id": str,
                           "remote_first_block": int},
 }
+
+
+class ConnectorRequest(Protocol):
+    """What the connector reads of an engine request (kv/ sits below engine/ and never imports it)."""
+
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    num_computed_tokens: int
+    block_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+@dataclass
+class PushProgress:
+    """P, push: where a request's layers go, and the first block not yet fully pushed."""
+
+    target: PushTarget
+    next_block: int
 
 
 @dataclass
@@ -82,6 +104,7 @@ class KVConnectorScheduler:
         self._cancels: list[str] = []
         self._push_aborts: list[str] = []
         self._releases: list[LoadSpec] = []  # D, pull: requests that will never pull
+        self._pushing: dict[str, PushProgress] = {}  # P, push: by request id, until it finishes
 
     def validate(self, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
         """Reject kv_transfer_params this node cannot act on (HTTP 400 upstream)."""
@@ -114,7 +137,7 @@ class KVConnectorScheduler:
 
     # -- D: loads -------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, req: ConnectorRequest, num_computed_tokens: int) -> int:
         """Prompt tokens, beyond those computed or cached here, whose KV will be loaded from P.
 
         P computed the whole prompt; D still computes the last prompt token itself, because
@@ -124,7 +147,7 @@ class KVConnectorScheduler:
             return 0
         return max(req.num_prompt_tokens - 1 - num_computed_tokens, 0)
 
-    def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, req: ConnectorRequest, num_external_tokens: int) -> None:
         """Record the blocks just reserved for req's remote tokens: a load (pull) or a push to expect."""
         params, bs = req.kv_transfer_params, self.block_size
         first = req.num_computed_tokens // bs
@@ -146,7 +169,7 @@ class KVConnectorScheduler:
             )
         )
 
-    def request_aborted(self, req: Request) -> None:
+    def request_aborted(self, req: ConnectorRequest) -> None:
         """D: the request was aborted while waiting for KV; P: a pushing request ended early."""
         if wants_remote_prefill(req.kv_transfer_params):
             self._cancels.append(req.request_id)
@@ -173,25 +196,27 @@ class KVConnectorScheduler:
             end = req.num_computed_tokens + s.num_new_tokens
             if req.num_computed_tokens >= n:
                 continue  # decoding on P: nothing more to push
-            if req.kv_push_target is None:
-                req.kv_push_target = PushTarget(params["remote_request_id"], params["remote_block_ids"],
-                                                params["remote_first_block"], params["remote_host"],
-                                                params["remote_port"], params.get("remote_shm_name"))
-                req.kv_push_next_block = params["remote_first_block"]
+            progress = self._pushing.get(req.request_id)
+            if progress is None:
+                target = PushTarget(params["remote_request_id"], params["remote_block_ids"],
+                                    params["remote_first_block"], params["remote_host"], params["remote_port"],
+                                    params.get("remote_shm_name"))
+                progress = self._pushing[req.request_id] = PushProgress(target, params["remote_first_block"])
             # D needs the KV of tokens [0, n - 1); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
             useful_end = min(end, n - 1)
-            first, last = req.kv_push_next_block, -(-useful_end // bs)
+            first, last = progress.next_block, -(-useful_end // bs)
             src = req.block_ids[first:last] if last > first else []
-            dst = req.kv_push_target.block_ids[first:last] if last > first else []
-            req.kv_push_next_block = max(first, useful_end // bs)
-            saves.append(SaveSpec(req.request_id, req.kv_push_target, src, dst, last=end >= n))
+            dst = progress.target.block_ids[first:last] if last > first else []
+            progress.next_block = max(first, useful_end // bs)
+            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n))
         return saves
 
     # -- P: holds -------------------------------------------------------------------------------
 
-    def request_finished(self, req: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, req: ConnectorRequest) -> tuple[bool, dict[str, Any] | None]:
         """(keep the blocks for a D, kv_transfer_params for the proxy) for a finished request."""
+        self._pushing.pop(req.request_id, None)
         params = req.kv_transfer_params
         if self.config.is_consumer and wants_remote_prefill(params) and not is_push(params):
             # D: finished before its KV was ever loaded (aborted while queued; a load clears the
@@ -202,10 +227,10 @@ class KVConnectorScheduler:
         if not (self.config.is_producer and wants_remote_decode(params)):
             return False, None
         if is_push(params):
-            if req.status.finish_reason not in ("stop", "length"):
+            if req.finish_reason not in ("stop", "length"):
                 self._push_aborts.append(req.request_id)
             return False, None  # pushed during the forward pass: nothing to hold
-        if req.status.finish_reason not in ("stop", "length"):
+        if req.finish_reason not in ("stop", "length"):
             return False, None  # aborted: nobody will pull
         blocks = req.block_ids[: -(-req.num_prompt_tokens // self.block_size)]
         self.held.hold(req.request_id, blocks)
