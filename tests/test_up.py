@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.benchmarks.procinfo import alive
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
 from servers import free_port
 
@@ -26,10 +27,9 @@ def processes_mentioning(text: str) -> list[int]:
         if entry.name.isdigit() and entry.name != str(os.getpid()):
             try:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if text in cmdline and state != "Z":
+            if text in cmdline and alive(int(entry.name)):
                 found.append(int(entry.name))
     return found
 
