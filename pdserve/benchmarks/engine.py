@@ -236,8 +236,8 @@ def main() -> None:
     if args.no_docs:
         print(table)
     else:
-        title = "Engine: pdserve vs transformers" + (f" ({env_title})" if (env_title := ", ".join(
-            f"{k}={v}" for k, v in results["meta"]["env"].items())) else "")
+        env = ", ".join(f"{k}={v}" for k, v in results["meta"]["env"].items())
+        title = "Engine: pdserve vs transformers" + (f" ({env})" if env else "")
         publish(results, args.out, args.section, title, table)
 
 
