@@ -7,6 +7,9 @@ import logging
 import sys
 import time
 
+from pdserve.kv.transport import AUTO, TRANSPORTS
+from pdserve.proxy.flows import FLOWS
+
 
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -77,16 +80,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.api.guards import resolve_api_key
+    from pdserve.api.http import serve_app
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.models.loader import default_model_name
-    from pdserve.node.guards import resolve_api_key
-    from pdserve.node.http import serve_app
-    from pdserve.node.server import NodeServer
+    from pdserve.node.server import build_node_server
 
     start = time.perf_counter()
-    engine = LLMEngine(engine_config_from_args(args))
-    server = NodeServer(engine, args.served_model_name or default_model_name(args.model),
-                        resolve_api_key(args.api_key), args.max_waiting, args.max_body_bytes)
+    server = build_node_server(LLMEngine(engine_config_from_args(args)),
+                               args.served_model_name or default_model_name(args.model),
+                               resolve_api_key(args.api_key), args.max_waiting, args.max_body_bytes)
     logging.getLogger("pdserve").info(
         "node (role %s) loaded in %.1f s; serving %s on http://%s:%d",
         args.role, time.perf_counter() - start, server.model_name, args.host, args.port,
@@ -98,8 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from pdserve.node.guards import resolve_api_key
-    from pdserve.node.http import serve_app
+    from pdserve.api.guards import resolve_api_key
+    from pdserve.api.http import serve_app
     from pdserve.proxy.app import Proxy, ProxyConfig
 
     meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -157,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="both = colocated; prefill = kv_producer (P); decode = kv_consumer (D)")
     serve.add_argument("--kv-host", default="127.0.0.1", help="address of the KV side channel (P)")
     serve.add_argument("--kv-port", type=int, default=0, help="port of the KV side channel (P); 0 = free port")
-    serve.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "shm"],
-                       help="how KV bytes move; auto = shm when P is on this host")
+    serve.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS],
+                       help="how KV bytes move; auto = shm when the peer is on this host, else tcp")
     serve.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
                        help="P frees KV that no D pulled within this many seconds")
     serve.add_argument("--kv-wait-timeout", type=float, default=30.0, metavar="S",
@@ -179,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", nargs="+", metavar="URL", help="decode node URLs (pull / push)")
     proxy.add_argument("--node", nargs="+", metavar="URL", help="colocated (--role both) node URLs (colocated)")
     proxy.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
-    proxy.add_argument("--mode", default="pull", choices=["pull", "push", "colocated"],
+    proxy.add_argument("--mode", default="pull", choices=list(FLOWS),
                        help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
                             "colocated: load-balance --role both nodes")
     proxy.add_argument("--nodes-file", default=None, metavar="JSON",
@@ -207,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None)
     add_dtype_arg(up)
     up.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB")
-    up.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "shm"])
+    up.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS])
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pdserve.platform import kernel_mode
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DEFAULT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
 
 
@@ -20,6 +19,7 @@ class ModelConfig:
     """The architecture of a Llama-family decoder, read from an HF `config.json`."""
 
     model_type: str
+    architecture: str  # the model class's name (models/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,6 +56,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
+            architecture=(cfg.get("architectures") or [DEFAULT_ARCHITECTURES[model_type]])[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -79,10 +80,6 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         return cls.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
 
 KV_ROLES = {"both": None, "prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -94,7 +91,7 @@ class KVTransferConfig:
     role: str = "both"  # both (colocated) | prefill (kv_producer) | decode (kv_consumer)
     host: str = "127.0.0.1"  # the side channel (and tcp data) listens here
     port: int = 0  # 0 = a free port
-    transport: str = "auto"  # auto | tcp | shm (auto: shm when P is on this host)
+    transport: str = "auto"  # auto, or a name in kv/transport's registry (auto: shm when the peer is on this host)
     hold_timeout_s: float = 60.0  # P frees blocks nobody pulled after this
     wait_timeout_s: float = 30.0  # D gives up on a transfer after this
     load_failure_policy: str = "recompute"  # recompute (prefill locally) | fail (return an error)
@@ -103,8 +100,6 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
             raise ValueError(f"kv role must be one of {sorted(KV_ROLES)}, got {self.role!r}")
-        if self.transport not in ("auto", "tcp", "shm"):
-            raise ValueError(f"kv transport must be auto, tcp or shm, got {self.transport!r}")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv load failure policy must be recompute or fail, got {self.load_failure_policy!r}")
         if self.hold_timeout_s <= 0 or self.wait_timeout_s <= 0:

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from servers import start_pdserve
 
 from pdserve.benchmarks.serving import (
     RequestResult,
@@ -18,7 +19,6 @@ from pdserve.benchmarks.serving import (
     summarize,
 )
 from pdserve.platform import plan_kernels
-from servers import start_pdserve
 
 
 def test_goodput_parsing():

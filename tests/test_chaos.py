@@ -18,8 +18,9 @@ import time
 
 import httpx
 import pytest
+from servers import Procs, metric, wait_for_metric
 
-from servers import Process, Procs, metric, wait_for_metric
+from pdserve.procs import Child
 
 # float32: "the same answer" is exact there; in bf16 a near-tie can flip with the computation path
 # (D computes the last prompt token as a decode, a colocated node inside its prefill).
@@ -44,7 +45,7 @@ def text_of(response: httpx.Response) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def assert_released(*procs: Process, bound: float = RELEASE_BOUND_S) -> None:
+def assert_released(*procs: Child, bound: float = RELEASE_BOUND_S) -> None:
     for proc in procs:
         assert wait_for_metric(proc.url, "pdserve:kv_blocks_used", 0, timeout=bound) == 0, proc.log()[-2000:]
         assert wait_for_metric(proc.url, "pdserve:kv_blocks_held", 0, timeout=bound) == 0, proc.log()[-2000:]
@@ -57,7 +58,7 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def kill(proc: Process) -> None:
+def kill(proc: Child) -> None:
     proc.proc.send_signal(signal.SIGKILL)
     proc.proc.wait(10)
 
@@ -68,11 +69,11 @@ def procs(tmp_path):
         yield started
 
 
-def prefill_node(procs: Procs, name: str = "p", *extra: str) -> Process:
+def prefill_node(procs: Procs, name: str = "p", *extra: str) -> Child:
     return procs.start(["serve", "--role", "prefill", "--kv-hold-timeout", str(HOLD_S), *NODE, *extra], name)
 
 
-def decode_node(procs: Procs, name: str = "d", *extra: str) -> Process:
+def decode_node(procs: Procs, name: str = "d", *extra: str) -> Child:
     # No prefix caching: a prompt sent twice must be pulled (or recomputed) twice.
     return procs.start(["serve", "--role", "decode", "--kv-wait-timeout", "5", "--no-prefix-caching", *NODE, *extra],
                        name)
@@ -88,7 +89,7 @@ def post_and_hold(url: str, request: dict) -> socket.socket:
     return sock
 
 
-def prefill_directly(p: Process, prompt: list[int]) -> dict:
+def prefill_directly(p: Child, prompt: list[int]) -> dict:
     """Step 2 of the pull flow by hand: P prefills and holds; returns its kv_transfer_params."""
     r = httpx.post(p.url + "/v1/completions", json=body(prompt, 1, kv_transfer_params={"do_remote_decode": True}),
                    timeout=60)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import httpx
-
 from servers import metric, start_pdserve
 from test_pd_pull import MODEL, NODE, PROMPTS, client
 

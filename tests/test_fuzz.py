@@ -11,7 +11,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-
 from servers import Procs
 
 EXAMPLES_PER_OPERATION = 40

@@ -6,7 +6,6 @@ import threading
 
 import httpx
 import pytest
-
 from servers import start_pdserve, wait_for_metric
 
 KEY = "s3cret-key"

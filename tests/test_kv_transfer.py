@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from pdserve.kv.channel import AuthError, client_handshake
+from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
-from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadSpec
+from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
+from pdserve.kv.results import TransferInbox
 from pdserve.kv.stats import KVStats
+from pdserve.kv.transport import TRANSPORTS, Transports
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 
@@ -24,36 +27,52 @@ def prefill_side():
     pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
     held = HeldBlocks(timeout_s=60)
     held.hold("req-a", [3, 4, 5, 9])
-    sender = KVSender(pool, held, KVStats(), "127.0.0.1", 0, secret=b"right")
-    yield pool, held, sender
+    transports = Transports(pool)
+    stats = KVStats()
+    sender = KVSender(pool, transports, held, stats, "127.0.0.1", 0, secret=b"right")
+    yield pool, held, sender, stats
     sender.close()
+    transports.close()
     pool.close()
 
 
 def pull(sender: KVSender, shm_name, transport: str, secret: bytes, src, dst, request_id="req-a"):
     local = KVPool(SHAPE, torch.bfloat16, "cpu")
-    receiver = KVReceiver(local, KVStats(), transport, timeout_s=10, secret=secret)
+    transports, stats, inbox = Transports(local), KVStats(), TransferInbox()
+    receiver = KVReceiver(local, transports, stats, inbox, transport, timeout_s=10, secret=secret)
     receiver.start(LoadSpec("d-1", dst, src, request_id, "127.0.0.1", sender.port, shm_name))
-    result = receiver.poll(timeout=30)[0]
+    result = inbox.poll(timeout=30)[0]
     receiver.close()
-    return result, local
+    transports.close()
+    return result, local, stats
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_pulled_blocks_arrive_intact(prefill_side, transport):
-    pool, held, sender = prefill_side
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_pulled_blocks_arrive_intact_and_both_ends_count_them(prefill_side, transport):
+    pool, held, sender, p_stats = prefill_side
     src, dst = [3, 4, 5, 9], [20, 7, 8, 0]  # scattered on both sides
-    result, local = pull(sender, pool.shm_name, transport, b"right", src, dst)
-    assert result.error is None and result.transport == transport
+    result, local, d_stats = pull(sender, pool.shm_name, transport, b"right", src, dst)
+    assert result.error is None and (result.mode, result.transport) == ("pull", transport)
     assert torch.equal(local.tensor[:, :, dst], pool.tensor[:, :, src])
     assert local.tensor[:, :, 1].abs().sum() == 0  # nothing else written
     assert held.pop_releasable() == [("req-a", False)]  # D said done: P may free
+    assert p_stats.snapshot().bytes_sent == d_stats.snapshot().bytes_received == result.nbytes == pool.nbytes(src) > 0
+
+
+def test_a_transport_the_node_does_not_serve_is_refused(prefill_side):
+    pool, held, sender, _ = prefill_side
+    with socket.create_connection(("127.0.0.1", sender.port), timeout=5) as sock:
+        client_handshake(sock, b"right")
+        send_msg(sock, PullRequest("req-a", [3], "carrier-pigeon", pool.layout))
+        reply = recv_msg(sock)
+    assert not reply.ok and "unknown KV transport 'carrier-pigeon'" in reply.error
+    assert held.num_blocks == 4  # still held for a D that asks properly
 
 
 def test_wrong_secret_is_refused_and_logged(prefill_side, caplog):
-    pool, held, sender = prefill_side
+    pool, held, sender, _ = prefill_side
     with caplog.at_level(logging.WARNING):
-        result, local = pull(sender, pool.shm_name, "tcp", b"wrong", [3], [0])
+        result, local, _ = pull(sender, pool.shm_name, "tcp", b"wrong", [3], [0])
     assert result.error and "authentication failed" in result.error
     assert local.tensor.abs().sum() == 0
     assert held.num_blocks == 4 and held.pop_releasable() == []  # still held for the real D
@@ -61,7 +80,7 @@ def test_wrong_secret_is_refused_and_logged(prefill_side, caplog):
 
 
 def test_peer_that_skips_the_handshake_gets_nothing(prefill_side):
-    pool, _, sender = prefill_side
+    pool, _, sender, _ = prefill_side
     layout = pool.layout
     with socket.create_connection(("127.0.0.1", sender.port), timeout=5) as sock:
         recv_msg(sock)  # the challenge, ignored
@@ -79,7 +98,7 @@ def test_peer_that_skips_the_handshake_gets_nothing(prefill_side):
     ("req-zzz", [3], "no KV held"),
 ])
 def test_only_the_named_requests_blocks_can_be_read(prefill_side, request_id, blocks, message):
-    pool, held, sender = prefill_side
-    result, local = pull(sender, pool.shm_name, "tcp", b"right", blocks, list(range(len(blocks))), request_id)
+    pool, held, sender, _ = prefill_side
+    result, local, _ = pull(sender, pool.shm_name, "tcp", b"right", blocks, list(range(len(blocks))), request_id)
     assert result.error and message in result.error
     assert local.tensor.abs().sum() == 0

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
+from helpers import hf_greedy
 from safetensors.torch import load_file
 
-from helpers import hf_greedy
 from pdserve import LLM, SamplingParams
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.tokenizer import Tokenizer
@@ -38,10 +38,9 @@ CHATS = [
 def pdserve_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from pdserve's model, in a scratch KV pool of its own."""
     model = llm.engine.model_runner.model
-    cfg, bs = model.config, llm.engine.config.block_size
+    spec, bs = llm.engine.kv_spec, llm.engine.config.block_size
     n = len(ids)
-    blocks = -(-n // bs)
-    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=llm.engine.plan.torch_dtype)
+    kv = torch.zeros(spec.pool_shape(-(-n // bs), bs), dtype=spec.dtype)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, n, None)])
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(n), list(kv.unbind(0)), meta)

@@ -6,16 +6,15 @@ import concurrent.futures
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
 
 from pdserve.benchmarks.procinfo import alive, children
-from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
+from pdserve.procs import ProcessGroup, up_child
 
 MODEL = "SmolLM2-135M-Instruct"
 NODE = ["--dtype", "float32", "--kv-cache-memory", "0.15"]
@@ -152,34 +151,25 @@ def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_signal):
-    port = free_port()
-    log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--dtype", "float32",
-                           "--kv-cache-memory", "0.15"], stdout=log, stderr=subprocess.STDOUT)
+    up = up_child(["--dtype", "float32", "--kv-cache-memory", "0.15"], log_path=str(tmp_path / "up.log"))
+    up.start()
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert up.poll() is None, open(tmp_path / "up.log").read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        out = client(f"http://127.0.0.1:{port}").chat.completions.create(
+        ProcessGroup().wait_ready([up], 180)
+        out = client(up.url).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0)
         assert out.choices[0].message.content == "The capital of France is Paris."
-        kids = children(up.pid)
+        kids = children(up.proc.pid)
         assert len(kids) == 3  # P, D, proxy
-        up.send_signal(stop_signal)
-        assert up.wait(30) == (0 if stop_signal == signal.SIGTERM else -signal.SIGKILL)
+        up.proc.send_signal(stop_signal)
+        assert up.proc.wait(30) == (0 if stop_signal == signal.SIGTERM else -signal.SIGKILL)
         deadline = time.monotonic() + 15
         while any(alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [k for k in kids if alive(k)]
     finally:
-        if up.poll() is None:
-            up.kill()
-        for k in children(up.pid):
+        if up.alive():
+            up.proc.kill()
+        for k in children(up.proc.pid):
             os.kill(k, signal.SIGKILL)
 
 

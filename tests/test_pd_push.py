@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
 from test_pd_pull import MODEL, NODE, PROMPTS, client
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from test_model_vs_transformers import CHATS, PROMPTS, pdserve_prompt_logits
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV, CpuInfo, onednn_bf16_prepack_works, plan_kernels
-from test_model_vs_transformers import CHATS, PROMPTS, pdserve_prompt_logits
 
 EPYC_AVX2 = CpuInfo("AMD EPYC 7B13 64-Core Processor", "AVX2", frozenset({"avx", "avx2", "fma", "f16c"}), False)
 AVX512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"})

@@ -9,9 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from servers import metric, start_pdserve, wait_for_metric
 
 from pdserve import SamplingParams
-from servers import metric, start_pdserve, wait_for_metric
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -185,7 +185,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
         lines = response.iter_lines()
         received.append(next(lines))
         start = time.monotonic()
-        code = proc.stop(timeout=15)
+        code = proc.stop(grace_s=15)
         received.extend(lines)  # the stream ends (cut by the server), it does not hang
     assert code == 0
     assert time.monotonic() - start < 10

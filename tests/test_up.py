@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import httpx
+from servers import free_port
 
 from pdserve.benchmarks.procinfo import alive
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
-from servers import free_port
+from pdserve.procs import ProcessGroup, up_child
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
 
@@ -35,23 +36,13 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 def test_up_with_no_flags_on_an_avx2_only_cpu_answers_the_readme_curl(tmp_path):
-    port = free_port()
     env = {**os.environ, **AVX2_EMULATION}
     env.pop(KERNELS_ENV, None)
-    log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--kv-cache-memory", "0.15"],
-                          env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    up = up_child(["--kv-cache-memory", "0.15"], log_path=str(tmp_path / "up.log"))
+    up.start(env)
+    url = up.url
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, "pdserve up not ready after 180 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        ProcessGroup().wait_ready([up], 180)
         answer = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=120)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
@@ -66,8 +57,7 @@ def test_up_with_no_flags_on_an_avx2_only_cpu_answers_the_readme_curl(tmp_path):
             assert (node["engine"]["dtype"], node["engine"]["kernels"], node["engine"]["isa"]) == \
                 ("float32", "portable", "AVX2"), node
     finally:
-        up.terminate()
-        assert up.wait(30) == 0
+        assert up.stop(grace_s=30) == 0
     out = (tmp_path / "up.log").read_text()
     assert "(AVX2): float32 on portable kernels" in out
     assert "Traceback" not in out

@@ -52,7 +52,7 @@ def bench_pdserve(dtype: str, quick: bool) -> dict:
     llm = LLM(dtype=dtype)
     plan = llm.engine.plan
     result = {"engine": plan.labels(), "rss_after_load_mib": rss_mib(),
-              "kv_bytes_per_token": llm.engine.model_config.kv_bytes_per_token(plan.torch_dtype)}
+              "kv_bytes_per_token": llm.engine.kv_spec.bytes_per_token}
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     llm.generate(random_prompts(2, 64, 0), greedy(4))  # warm up
 

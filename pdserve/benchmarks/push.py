@@ -22,8 +22,8 @@ import httpx
 import torch
 
 from pdserve.benchmarks.report import publish
-from pdserve.launcher import Child, Cluster
 from pdserve.platform import plan_kernels
+from pdserve.procs import Child, ProcessGroup, cluster_env
 
 
 def metric_sum(url: str, name: str, labels: str = "") -> float:
@@ -56,7 +56,7 @@ def run(lens: list[int], repeats: int, dtype: str) -> dict:
     proxies = {mode: Child.on_free_port(f"proxy-{mode}", ["proxy", "--mode", mode, "--log-level", "warning",
                                                           "--prefill", p.url, "--decode", d.url])
                for mode in ("pull", "push")}
-    cluster = Cluster()
+    cluster = ProcessGroup(cluster_env())
     results: dict = {}
     try:
         cluster.launch([both, p, d], 300)

@@ -333,7 +333,7 @@ def plot(summary: dict, path: str) -> None:
 def server_engines(url: str) -> list[dict]:
     """What the measured server runs on (device, ISA, dtype, kernels per node): a pdserve proxy's
     /v1/nodes, or a pdserve node's /metrics; [] for other servers."""
-    from pdserve.proxy.app import engine_info
+    from pdserve.proxy.health import engine_info
 
     try:
         nodes = httpx.get(url + "/v1/nodes", timeout=5)

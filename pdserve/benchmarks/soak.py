@@ -22,8 +22,8 @@ from pdserve.benchmarks.procinfo import alive, children, rss_mib
 from pdserve.benchmarks.push import metric_sum
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import random_dataset, run_benchmark
-from pdserve.benchmarks.study import Up
 from pdserve.platform import plan_kernels
+from pdserve.procs import ProcessGroup, up_child
 
 MAX_RSS_GROWTH = 0.05
 BLOCK_METRICS = ("pdserve:kv_blocks_used", "pdserve:kv_blocks_held")
@@ -51,9 +51,9 @@ def wait_idle(proxy_url: str, timeout_s: float = 60.0) -> None:
 
 
 def run(args) -> dict:
-    up = Up(("--mode", args.mode, "--dtype", args.dtype))
-    try:
-        up.wait_ready()
+    with ProcessGroup(stop_grace_s=30) as group:
+        up = group.start(up_child(("--mode", args.mode, "--dtype", args.dtype)))
+        group.wait_ready([up], 300)
         pids = {process_name(pid): pid for pid in [up.proc.pid, *children(up.proc.pid)]}
         node_urls = [n["url"] for n in httpx.get(up.url + "/v1/nodes", timeout=10).json()["nodes"]]
         warm = random_dataset(args.warmup, 32, 4, 0.5, seed=1)
@@ -68,8 +68,6 @@ def run(args) -> dict:
         rss_end = {name: rss_mib(pid) for name, pid in pids.items()}
         blocks_end = blocks(node_urls)
         running = {name: up.proc.poll() is None if name == "up" else alive(pid) for name, pid in pids.items()}
-    finally:
-        up.stop()
     errors = [r.error for r in results if not r.ok]
     growth = {name: rss_end[name] / rss_start[name] - 1 for name in rss_start}
     return {

@@ -10,43 +10,26 @@ section of `docs/benchmarks.md`.
 from __future__ import annotations
 
 import argparse
-import signal
+import os
 import statistics
-import subprocess
-import sys
 import time
-
-import httpx
 
 from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
-from pdserve.launcher import free_port
 from pdserve.models.loader import resolve_model_dir
 from pdserve.platform import plan_kernels
+from pdserve.procs import Child, ProcessGroup
 
 
 def one_start(dtype: str) -> dict:
-    port = free_port()
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--dtype", dtype, "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+    node = Child.on_free_port("node", ["serve", "--dtype", dtype, "--threads", "1"], log_path=os.devnull)
+    with ProcessGroup(stop_grace_s=30) as group:
+        start = time.perf_counter()
+        group.start(node)
+        group.wait_ready([node], 600, poll_s=0.05)
         ready_s = time.perf_counter() - start
         time.sleep(1.0)
-        return {"startup_s": ready_s, "idle_rss_mib": rss_mib(proc.pid)}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        return {"startup_s": ready_s, "idle_rss_mib": rss_mib(node.proc.pid)}
 
 
 def main() -> None:

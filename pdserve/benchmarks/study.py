@@ -24,20 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import mixed_dataset, random_dataset, run_benchmark, summarize
-from pdserve.launcher import Child, Cluster, free_port
 from pdserve.platform import plan_kernels
+from pdserve.procs import Child, ProcessGroup, up_child
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128
 CHUNK_BUDGET = 256
@@ -58,42 +53,6 @@ SETUPS = {
 }
 
 
-# -- one running system -------------------------------------------------------------------------
-
-
-class Up:
-    """`pdserve up <args>` as a child process; stopped with SIGTERM (it stops its own children)."""
-
-    def __init__(self, args: tuple[str, ...]) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", port, *args],
-                                     stdout=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with status {self.proc.returncode}")
-            try:
-                nodes = httpx.get(self.url + "/v1/nodes", timeout=2).json()["nodes"]
-                if all(n["healthy"] for n in nodes):
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"pdserve up not ready after {timeout_s:.0f}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 # -- SLOs from idle latencies --------------------------------------------------------------------
 
 
@@ -101,9 +60,8 @@ def idle_latencies(dtype: str, repeats: int = 3) -> dict:
     """Median idle TTFT (short and long prompt) and decode step of one node on one core."""
     node = Child.on_free_port("idle", ["serve", "--role", "both", "--threads", "1", "--dtype", dtype,
                                        "--log-level", "warning"], core=0)
-    cluster = Cluster()
-    try:
-        cluster.launch([node], 300)
+    with ProcessGroup() as group:
+        group.launch([node], 300)
         probes = {"long": random_dataset(repeats + 1, LONG_INPUT, 2, 0.0, seed=7),
                   "short": random_dataset(repeats + 1, SHORT_INPUT, SHORT_OUTPUT, 0.0, seed=8)}
         out = {}
@@ -119,8 +77,6 @@ def idle_latencies(dtype: str, repeats: int = 3) -> dict:
             if name == "short":
                 out["decode_step_ms"] = statistics.median(r.tpot_ms for r in results)
         return out
-    finally:
-        cluster.stop()
 
 
 # -- the sweep -----------------------------------------------------------------------------------
@@ -128,10 +84,10 @@ def idle_latencies(dtype: str, repeats: int = 3) -> dict:
 
 def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_prompts: int, dtype: str,
               slos: dict[str, float]) -> list[dict]:
-    up = Up((*setup.up_args, "--dtype", dtype))
     points = []
-    try:
-        up.wait_ready()
+    with ProcessGroup(stop_grace_s=30) as group:
+        up = group.start(up_child((*setup.up_args, "--dtype", dtype)))
+        group.wait_ready([up], 300)
         warm = mixed_dataset(4, seed=999, long_fraction=0.5)
         asyncio.run(run_benchmark(up.url, warm, "completions", None, float("inf"), 1.0, None, 0, show_progress=False))
         for i, rate in enumerate(rates):
@@ -149,8 +105,6 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
             print(f"[{setup.key}] rate {rate}: attainment {summary['slo_attainment'] * 100:.0f} %, goodput "
                   f"{summary['request_goodput']:.2f} req/s, p99 TTFT {summary['p99_ttft_ms']:.0f} ms, "
                   f"p99 TPOT {summary['p99_tpot_ms']:.0f} ms, failed {summary['failed']}", flush=True)
-    finally:
-        up.stop()
     return points
 
 

@@ -25,9 +25,12 @@ import httpx
 import torch
 
 from pdserve.benchmarks.report import publish
+from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool, RemotePool
-from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadSpec
+from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
+from pdserve.kv.results import TransferInbox
 from pdserve.kv.stats import KVStats
+from pdserve.kv.transport import TRANSPORTS, Transports
 from pdserve.platform import plan_kernels
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
@@ -54,14 +57,16 @@ def serve_blocks(mib: int, repeats: int) -> None:
     pool = KVPool(pool_shape(total), DTYPE, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(pool.shape).to(DTYPE))
     held = HeldBlocks(timeout_s=3600)
-    for t in ("tcp", "shm"):
+    for t in TRANSPORTS:
         for layout, ids in layouts.items():
             for i in range(repeats):
                 held.hold(f"{t}-{layout}-{i}", ids)
-    sender = KVSender(pool, held, KVStats(), "127.0.0.1", 0)
+    transports = Transports(pool)
+    sender = KVSender(pool, transports, held, KVStats(), "127.0.0.1", 0)
     print(sender.port, pool.shm_name, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     sender.close()
+    transports.close()
     pool.close()
 
 
@@ -73,7 +78,8 @@ def bench_backends(mib: int, repeats: int) -> dict:
                             text=True)
     port, shm_name = proc.stdout.readline().split()
     local = KVPool(pool_shape(total), DTYPE, "cpu")
-    receiver = KVReceiver(local, KVStats(), "auto", timeout_s=60)
+    transports, inbox = Transports(local), TransferInbox()
+    receiver = KVReceiver(local, transports, KVStats(), inbox, "auto", timeout_s=60)
     n = len(layouts["contiguous"])
     nbytes = n * LAYERS * 2 * local.block_bytes
     results: dict = {"bytes": nbytes, "blocks": n}
@@ -81,14 +87,14 @@ def bench_backends(mib: int, repeats: int) -> dict:
     try:
         for layout, ids in layouts.items():
             dst = rng.sample(range(total), n) if layout == "scattered" else list(range(n))
-            for transport in ("tcp", "shm"):
+            for transport in TRANSPORTS:
                 receiver.transport = transport
                 times = []
                 for i in range(repeats):
                     spec = LoadSpec(f"d{i}", dst, ids, f"{transport}-{layout}-{i}", "127.0.0.1", int(port), shm_name)
                     start = time.perf_counter()
                     receiver.start(spec)
-                    res = receiver.poll(timeout=60)
+                    res = inbox.poll(timeout=60)
                     assert res[0].error is None, res[0].error
                     times.append(time.perf_counter() - start)
                 results[f"{transport}_{layout}_gbps"] = nbytes / min(times) / 1e9
@@ -102,13 +108,14 @@ def bench_backends(mib: int, repeats: int) -> dict:
             remote.close()
     finally:
         receiver.close()
+        transports.close()
         proc.stdin.close()
         proc.wait(30)
     return results
 
 
 def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
-    from pdserve.launcher import Child, Cluster
+    from pdserve.procs import Child, ProcessGroup, cluster_env
 
     common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
     nodes = {
@@ -116,7 +123,7 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
         "tcp": Child.on_free_port("d-tcp", ["serve", "--role", "decode", "--kv-transport", "tcp", *common], 1),
         "shm": Child.on_free_port("d-shm", ["serve", "--role", "decode", "--kv-transport", "shm", *common], 1),
     }
-    cluster = Cluster()
+    cluster = ProcessGroup(cluster_env())
     out: dict = {}
     try:
         cluster.launch(list(nodes.values()), 300)

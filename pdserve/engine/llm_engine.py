@@ -9,15 +9,19 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.client import EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
+from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.params import KVTransferParams
+from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.kv.pool import KVPool
-from pdserve.kv.pull import HeldBlocks
 from pdserve.kv.stats import KVStats
-from pdserve.models.loader import load_model, resolve_model_dir
+from pdserve.kv.transport import uses_shared_pool
+from pdserve.models.loader import kv_cache_spec, load_model, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import plan_kernels
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -46,7 +50,8 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
 
-        bytes_per_block = config.block_size * mc.kv_bytes_per_token(dtype)
+        self.kv_spec = kv_cache_spec(mc, dtype)  # the model says what it keeps per token
+        bytes_per_block = config.block_size * self.kv_spec.bytes_per_token
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
         capacity = num_blocks * config.block_size
         if config.max_model_len is not None:
@@ -72,12 +77,10 @@ class LLMEngine:
 
         model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack)
         kv = config.kv_transfer
-        # P and D keep their pools in shared memory (unless tcp is forced), so that a peer on this
-        # host can copy blocks with one memcpy: D out of P's pool (pull), P into D's pool (push).
-        self.pool = KVPool(
-            (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype, config.device, shared=kv.role != "both" and kv.transport != "tcp",
-        )
+        # P and D keep their pools in shared memory when a transport may need it (shm: a peer on
+        # this host copies blocks with one memcpy, D out of P's pool, P into D's).
+        self.pool = KVPool.for_model(self.kv_spec, num_blocks, config.block_size, config.device,
+                                     shared=kv.role != "both" and uses_shared_pool(kv.transport))
         self.engine_id = new_engine_id()
         self.kv_stats = KVStats()
         self.connector: KVConnectorScheduler | None = None
@@ -123,7 +126,7 @@ class LLMEngine:
             )
         return ids
 
-    def check_kv_transfer_params(self, params: dict | None, num_prompt_tokens: int) -> None:
+    def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         """InvalidParameter if this node cannot act on the proxy's kv_transfer_params."""
         if params is None:
             return
@@ -136,10 +139,12 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | dict | None = None,
         arrival_time: float | None = None,
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
+        if isinstance(kv_transfer_params, dict):
+            kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.scheduler.requests:
@@ -163,6 +168,21 @@ class LLMEngine:
 
     def has_runnable_requests(self) -> bool:
         return self.scheduler.has_runnable()
+
+    # -- state, for the engine client -----------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.plan.labels())
+
+    def stats(self) -> EngineStats:
+        """This step's snapshot (engine thread): what the server's metrics and admission read."""
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_held=sum(len(req.block_ids) for req in s.held.values()),
+            kv=self.kv_stats.snapshot(),
+        )
 
     # -- the loop -------------------------------------------------------------------------------
 

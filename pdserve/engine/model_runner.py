@@ -8,11 +8,11 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.kv.pool import KVPool
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from pdserve.models.llama import LayerHook, LlamaForCausalLM
+from pdserve.models.llama import LayerHook
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: str):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str):
         self.model = model
         self.pool = pool
         self.block_size = pool.block_size

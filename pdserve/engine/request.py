@@ -5,11 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 
@@ -65,7 +65,7 @@ class Request:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         generator: torch.Generator | None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
@@ -85,7 +85,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
         # PD disaggregation: what the proxy asked (kv_transfer_params in), what P answers (out).
         self.kv_transfer_params = kv_transfer_params
-        self.kv_transfer_params_out: dict[str, Any] | None = None
+        self.kv_transfer_params_out: KVTransferParams | None = None
         self.kv_external_tokens = 0  # D: tokens being loaded from P right now
         self.error: str | None = None  # why the request failed, when it did
 
@@ -137,7 +137,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
-    kv_transfer_params: dict[str, Any] | None = None  # P: where D can pull this request's KV
+    kv_transfer_params: KVTransferParams | None = None  # P: where D can pull this request's KV
     error: str | None = None
 
     @classmethod

@@ -154,7 +154,7 @@ class Scheduler:
             if req is not None:
                 self.block_manager.free(req)
             if expired and self.kv_stats is not None:
-                self.kv_stats.holds_expired += 1
+                self.kv_stats.add_hold_expired()
         now = time.perf_counter()
         for result in finished.received:
             req = self.loading.pop(result.request_id, None)
@@ -169,7 +169,7 @@ class Scheduler:
                 req.num_computed_tokens += req.kv_external_tokens
                 req.metrics.num_remote_tokens = req.kv_external_tokens
                 if self.kv_stats is not None:
-                    self.kv_stats.remote_tokens += req.kv_external_tokens
+                    self.kv_stats.add_remote_tokens(req.kv_external_tokens)
             elif self.load_failure_policy == "fail":
                 req.status = RequestStatus.FINISHED_ABORTED
                 req.error = f"KV transfer from the prefill node failed: {result.error}"

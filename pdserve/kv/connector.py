@@ -21,29 +21,27 @@ import httpx
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv.channel import resolve_secret
-from pdserve.kv.params import is_push, wants_remote_decode, wants_remote_prefill
+from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.params import KVTransferParams, wants_remote_decode, wants_remote_prefill
 from pdserve.kv.pool import KVPool
-from pdserve.kv.pull import HeldBlocks, KVReceiver, KVSender, LoadResult, LoadSpec
+from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
+from pdserve.kv.results import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
+from pdserve.kv.transport import Transports
 from pdserve.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
 
-# kv_transfer_params fields a node needs, by (mode, side): {name: type}
-REQUIRED_FIELDS = {
-    ("pull", "decode"): {"remote_block_ids": list, "remote_host": str, "remote_port": int, "remote_request_id": str},
-    ("push", "decode"): {"metaserver": str, "proxy_request_id": str},
-    ("push", "prefill"): {"remote_block_ids": list, "remote_host": str, "remote_port": int, "remote_request_id": str,
-                          "remote_first_block": int},
-}
+# The peer's address and blocks: what D needs to pull, and what P needs to push.
+PEER_FIELDS = ("remote_request_id", "remote_block_ids", "remote_host", "remote_port")
 
 
 class ConnectorRequest(Protocol):
     """What the connector reads of an engine request (kv/ sits below engine/ and never imports it)."""
 
     request_id: str
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     num_computed_tokens: int
     block_ids: list[int]
 
@@ -88,7 +86,7 @@ class ConnectorMetadata:
 @dataclass
 class FinishedTransfers:
     sent: list[tuple[str, bool]] = field(default_factory=list)  # P: (request id, hold expired)
-    received: list[LoadResult] = field(default_factory=list)  # D: loads / pushes that ended
+    received: list[TransferResult] = field(default_factory=list)  # D: loads / pushes that ended
     push_failed: list[tuple[str, str]] = field(default_factory=list)  # P: (request id, why)
 
 
@@ -106,33 +104,26 @@ class KVConnectorScheduler:
         self._releases: list[LoadSpec] = []  # D, pull: requests that will never pull
         self._pushing: dict[str, PushProgress] = {}  # P, push: by request id, until it finishes
 
-    def validate(self, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
+    def validate(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         """Reject kv_transfer_params this node cannot act on (HTTP 400 upstream)."""
-        mode = "push" if is_push(params) else "pull"
         if wants_remote_prefill(params):
             if not self.config.is_consumer:
                 raise InvalidParameter("kv_transfer_params", "do_remote_prefill needs a decode node (--role decode)")
-            self._require(params, REQUIRED_FIELDS[(mode, "decode")])
-            if mode == "pull":
+            if params.is_push:
+                params.require("metaserver", "proxy_request_id")
+            else:
+                params.require(*PEER_FIELDS)
                 self._require_blocks(params, num_prompt_tokens)
         if wants_remote_decode(params):
             if not self.config.is_producer:
                 raise InvalidParameter("kv_transfer_params", "do_remote_decode needs a prefill node (--role prefill)")
-            if mode == "push":
-                self._require(params, REQUIRED_FIELDS[(mode, "prefill")])
+            if params.is_push:
+                params.require(*PEER_FIELDS, "remote_first_block")
                 self._require_blocks(params, num_prompt_tokens)
 
-    @staticmethod
-    def _require(params: dict[str, Any], fields: dict[str, type]) -> None:
-        for name, kind in fields.items():
-            value = params.get(name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise InvalidParameter("kv_transfer_params", f"kv_transfer_params.{name} must be a {kind.__name__}")
-
-    def _require_blocks(self, params: dict[str, Any], num_prompt_tokens: int) -> None:
-        blocks = params["remote_block_ids"]
+    def _require_blocks(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
         needed = -(-max(num_prompt_tokens - 1, 0) // self.block_size)
-        if len(blocks) < needed or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+        if len(params.remote_block_ids) < needed:
             raise InvalidParameter("kv_transfer_params", f"remote_block_ids must list {needed} block ids for this prompt")
 
     # -- D: loads -------------------------------------------------------------------------------
@@ -152,20 +143,19 @@ class KVConnectorScheduler:
         params, bs = req.kv_transfer_params, self.block_size
         first = req.num_computed_tokens // bs
         last = -(-(req.num_computed_tokens + num_external_tokens) // bs)
-        if is_push(params):
-            self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params["metaserver"],
-                                            params["proxy_request_id"]))
+        if params.is_push:
+            self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params.metaserver,
+                                            params.proxy_request_id))
             return
-        remote_blocks = params["remote_block_ids"]
         self._pending.append(
             LoadSpec(
                 request_id=req.request_id,
                 local_block_ids=req.block_ids[first:last],
-                remote_block_ids=remote_blocks[first:last],
-                remote_request_id=params["remote_request_id"],
-                remote_host=params["remote_host"],
-                remote_port=params["remote_port"],
-                remote_shm_name=params.get("remote_shm_name"),
+                remote_block_ids=params.remote_block_ids[first:last],
+                remote_request_id=params.remote_request_id,
+                remote_host=params.remote_host,
+                remote_port=params.remote_port,
+                remote_shm_name=params.remote_shm_name,
             )
         )
 
@@ -173,7 +163,7 @@ class KVConnectorScheduler:
         """D: the request was aborted while waiting for KV; P: a pushing request ended early."""
         if wants_remote_prefill(req.kv_transfer_params):
             self._cancels.append(req.request_id)
-        elif wants_remote_decode(req.kv_transfer_params) and is_push(req.kv_transfer_params):
+        elif wants_remote_decode(req.kv_transfer_params) and req.kv_transfer_params.is_push:
             self._push_aborts.append(req.request_id)
 
     def has_pending(self) -> bool:
@@ -190,7 +180,7 @@ class KVConnectorScheduler:
         saves, bs = [], self.block_size
         for s in scheduled:
             req, params = s.request, s.request.kv_transfer_params
-            if not (wants_remote_decode(params) and is_push(params)):
+            if not (wants_remote_decode(params) and params.is_push):
                 continue
             n = req.num_prompt_tokens
             end = req.num_computed_tokens + s.num_new_tokens
@@ -198,10 +188,9 @@ class KVConnectorScheduler:
                 continue  # decoding on P: nothing more to push
             progress = self._pushing.get(req.request_id)
             if progress is None:
-                target = PushTarget(params["remote_request_id"], params["remote_block_ids"],
-                                    params["remote_first_block"], params["remote_host"], params["remote_port"],
-                                    params.get("remote_shm_name"))
-                progress = self._pushing[req.request_id] = PushProgress(target, params["remote_first_block"])
+                target = PushTarget(params.remote_request_id, params.remote_block_ids, params.remote_first_block,
+                                    params.remote_host, params.remote_port, params.remote_shm_name)
+                progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
             # D needs the KV of tokens [0, n - 1); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
             useful_end = min(end, n - 1)
@@ -214,19 +203,19 @@ class KVConnectorScheduler:
 
     # -- P: holds -------------------------------------------------------------------------------
 
-    def request_finished(self, req: ConnectorRequest) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, req: ConnectorRequest) -> tuple[bool, KVTransferParams | None]:
         """(keep the blocks for a D, kv_transfer_params for the proxy) for a finished request."""
         self._pushing.pop(req.request_id, None)
         params = req.kv_transfer_params
-        if self.config.is_consumer and wants_remote_prefill(params) and not is_push(params):
+        if self.config.is_consumer and wants_remote_prefill(params) and not params.is_push:
             # D: finished before its KV was ever loaded (aborted while queued; a load clears the
             # params): tell P now rather than leave its blocks held until the hold times out.
-            self._releases.append(LoadSpec(req.request_id, [], [], params["remote_request_id"], params["remote_host"],
-                                           params["remote_port"]))
+            self._releases.append(LoadSpec(req.request_id, [], [], params.remote_request_id, params.remote_host,
+                                           params.remote_port))
             return False, None
         if not (self.config.is_producer and wants_remote_decode(params)):
             return False, None
-        if is_push(params):
+        if params.is_push:
             if req.finish_reason not in ("stop", "length"):
                 self._push_aborts.append(req.request_id)
             return False, None  # pushed during the forward pass: nothing to hold
@@ -234,15 +223,8 @@ class KVConnectorScheduler:
             return False, None  # aborted: nobody will pull
         blocks = req.block_ids[: -(-req.num_prompt_tokens // self.block_size)]
         self.held.hold(req.request_id, blocks)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": blocks,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": req.request_id,
-            "tp_size": 1,
-            **self.advertised,
-        }
+        return True, KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks, remote_engine_id=self.engine_id,
+                                      remote_request_id=req.request_id, **self.advertised)
 
 
 class KVConnectorWorker:
@@ -250,6 +232,8 @@ class KVConnectorWorker:
         self.config = config
         self.held = held
         self.stats = stats
+        self.inbox = TransferInbox()  # D: loads and pushes that ended
+        self.transports: Transports | None = None
         self.sender: KVSender | None = None
         self.pusher: PushSender | None = None
         self.receiver: KVReceiver | None = None
@@ -258,20 +242,23 @@ class KVConnectorWorker:
         self._http = httpx.Client(timeout=config.wait_timeout_s)  # keep-alive to the proxy
 
     def register_kv_caches(self, pool: KVPool) -> dict[str, Any]:
-        """Attach the pool to the backends; returns this node's side channel address."""
+        """Attach the pool to the transports; returns this node's side channel address."""
         kv = self.config
         secret = resolve_secret(kv.secret)
+        self.transports = Transports(pool)
         if kv.is_producer:
-            self.sender = KVSender(pool, self.held, self.stats, kv.host, kv.port, secret)
-            self.pusher = PushSender(pool, self.stats, kv.transport, kv.wait_timeout_s, secret)
-            return {"remote_host": self.sender.host, "remote_port": self.sender.port, "remote_shm_name": pool.shm_name}
-        if kv.is_consumer:
-            self.receiver = KVReceiver(pool, self.stats, kv.transport, kv.wait_timeout_s, secret)
-            self.push_receiver = PushReceiver(pool, self.stats, kv.host, kv.port, self.receiver.results,
+            self.sender = KVSender(pool, self.transports, self.held, self.stats, kv.host, kv.port, secret)
+            self.pusher = PushSender(pool, self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
+            channel = self.sender
+        elif kv.is_consumer:
+            self.receiver = KVReceiver(pool, self.transports, self.stats, self.inbox, kv.transport,
+                                       kv.wait_timeout_s, secret)
+            self.push_receiver = PushReceiver(pool, self.transports, self.stats, self.inbox, kv.host, kv.port,
                                               kv.wait_timeout_s, secret)
-            return {"remote_host": self.push_receiver.host, "remote_port": self.push_receiver.port,
-                    "remote_shm_name": pool.shm_name}
-        return {}
+            channel = self.push_receiver
+        else:
+            return {}
+        return {"remote_host": channel.host, "remote_port": channel.port, "remote_shm_name": pool.shm_name}
 
     def start_load_kv(self, meta: ConnectorMetadata, advertised: dict[str, Any]) -> None:
         for spec in meta.loads:
@@ -290,15 +277,10 @@ class KVConnectorWorker:
 
     def _announce(self, spec: ExpectSpec, advertised: dict[str, Any]) -> None:
         """Tell the proxy's meta endpoint where P should push (D's request, blocks, address)."""
-        body = {
-            "proxy_request_id": spec.proxy_request_id,
-            "remote_request_id": spec.request_id,
-            "remote_block_ids": spec.block_ids,
-            "remote_first_block": spec.first_block,
-            **advertised,
-        }
+        body = KVTransferParams(proxy_request_id=spec.proxy_request_id, remote_request_id=spec.request_id,
+                                remote_block_ids=spec.block_ids, remote_first_block=spec.first_block, **advertised)
         try:
-            response = self._http.post(spec.metaserver, json=body)
+            response = self._http.post(spec.metaserver, json=body.to_wire())
             response.raise_for_status()
         except httpx.HTTPError as exc:
             logger.warning("announcing %s to %s failed: %s", spec.request_id, spec.metaserver, exc)
@@ -315,16 +297,18 @@ class KVConnectorWorker:
             self.push_receiver.expire()
         return FinishedTransfers(
             sent=self.held.pop_releasable() if self.sender else [],
-            received=self.receiver.poll() if self.receiver else [],
+            received=self.inbox.poll(),
             push_failed=self.pusher.failed_requests() if self.pusher else [],
         )
 
     def close(self) -> None:
         self._announcer.shutdown(wait=False, cancel_futures=True)
         self._http.close()
-        for part in (self.sender, self.pusher, self.receiver, self.push_receiver):
+        for part in (self.sender, self.receiver, self.push_receiver):
             if part is not None:
                 part.close()
+        if self.transports is not None:
+            self.transports.close()
 
 
 def new_engine_id() -> str:

@@ -1,20 +1,92 @@
-"""Reading vLLM-style `kv_transfer_params` (the proxy's instructions to a node)."""
+"""`kv_transfer_params`: the proxy's instructions to a node, and P's answer, as one typed schema.
+
+Field names are vLLM's on the wire (NixlConnector / vllm-ascend's Mooncake connectors), so that
+vLLM's toy proxy drives pdserve nodes unchanged; `kv_mode`, `remote_first_block`, `metaserver`
+and `proxy_request_id` are the layer-wise push extension. The proxy builds them with the
+constructors below, the node parses them with `parse` (a 400 naming the field on a bad value),
+and the connector reads the fields it needs with `require`.
+
+  pull, proxy -> P   do_remote_decode
+  pull, P -> proxy   do_remote_prefill, remote_request_id, remote_block_ids, remote_host, ...
+  pull, proxy -> D   P's answer as it came
+  push, proxy -> D   do_remote_prefill, kv_mode=push, metaserver, proxy_request_id
+  push, D -> proxy   (POST metaserver) proxy_request_id, remote_request_id, remote_block_ids, ...
+  push, proxy -> P   do_remote_decode, kv_mode=push, and D's remote_* fields
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+
+from pdserve.sampling_params import InvalidParameter
+
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
+PUSH = "push"
 
 
-def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    do_remote_prefill: bool = False  # D: this prompt's KV comes from a prefill node
+    do_remote_decode: bool = False  # P: the request is decoded elsewhere; keep (or push) its KV
+    kv_mode: str | None = None  # "push" for layer-wise push; pull otherwise
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None  # the peer's request id (P's in pull, D's in push)
+    remote_block_ids: list[BlockId] | None = None  # the peer's blocks for the prompt, from block 0
+    remote_host: str | None = None  # the peer's KV side channel
+    remote_port: int | None = None
+    remote_shm_name: str | None = None  # the peer's pool in shared memory (same-host transports)
+    remote_first_block: int | None = None  # push: D already holds the blocks before this one
+    metaserver: str | None = None  # push: where D announces its blocks (the proxy's /v1/kv/meta)
+    proxy_request_id: str | None = None  # push: the proxy's id, to match D's announcement
+    tp_size: int = 1
+
+    @property
+    def is_push(self) -> bool:
+        return self.kv_mode == PUSH
+
+    def require(self, *names: str) -> None:
+        """InvalidParameter naming the first of `names` that is missing."""
+        for name in names:
+            if getattr(self, name) is None:
+                raise InvalidParameter("kv_transfer_params", f"kv_transfer_params.{name} is required here")
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object, without the fields that are not set."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+    # -- what the proxy sends ---------------------------------------------------------------------
+
+    @classmethod
+    def pull_prefill(cls) -> KVTransferParams:
+        return cls(do_remote_decode=True)
+
+    @classmethod
+    def push_decode(cls, metaserver: str, proxy_request_id: str) -> KVTransferParams:
+        return cls(do_remote_prefill=True, kv_mode=PUSH, metaserver=metaserver, proxy_request_id=proxy_request_id)
+
+    @classmethod
+    def push_prefill(cls, announcement: KVTransferParams) -> KVTransferParams:
+        """P's instructions from D's announcement: push into D's blocks at D's side channel."""
+        remote = {k: v for k, v in msgspec.structs.asdict(announcement).items() if k.startswith("remote_")}
+        return cls(do_remote_decode=True, kv_mode=PUSH, **remote)
+
+
+def parse(raw: dict[str, Any] | None) -> KVTransferParams | None:
+    """The typed params from a request body (None when absent); InvalidParameter on a bad field."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as exc:
+        raise InvalidParameter("kv_transfer_params", f"kv_transfer_params: {exc}") from exc
+
+
+def wants_remote_prefill(params: KVTransferParams | None) -> bool:
     """D: this request's prompt KV comes from a prefill node."""
-    return bool(params and params.get("do_remote_prefill"))
+    return params is not None and params.do_remote_prefill
 
 
-def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    """P: this request is decoded elsewhere; keep its KV for the decode node."""
-    return bool(params and params.get("do_remote_decode"))
-
-
-def is_push(params: dict[str, Any] | None) -> bool:
-    """Layer-wise push (P writes into D's blocks) rather than pull (D reads P's)."""
-    return bool(params and params.get("kv_mode") == "push")
+def wants_remote_decode(params: KVTransferParams | None) -> bool:
+    """P: this request is decoded elsewhere; keep (or push) its KV for the decode node."""
+    return params is not None and params.do_remote_decode

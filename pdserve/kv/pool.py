@@ -1,7 +1,8 @@
-"""The KV pool: one tensor `[layer, K/V, block, slot, kv_head, head_dim]`, optionally in shared memory.
+"""The KV pool: one tensor `[layer, plane, block, slot, kv_head, head_dim]`, optionally in shared
+memory, shaped by the model's `KVCacheSpec` (planes are K and V for Llama-family attention).
 
-A block of one layer's K (or V) is a contiguous `block_bytes` slice, so a transfer is a list of
-(offset, length) segments over the pool's bytes, in the canonical order (layer, K/V, block).
+A block of one layer's plane is a contiguous `block_bytes` slice, so a transfer is a list of
+(offset, length) segments over the pool's bytes, in the canonical order (layer, plane, block).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from pdserve.kv.protocol import KVLayout
-
+from pdserve.models.kv_spec import KVCacheSpec
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
@@ -51,8 +52,13 @@ class KVPool:
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_layers, _, self.num_blocks, self.block_size = shape[:4]
-        self.block_bytes = nbytes // (self.num_layers * 2 * self.num_blocks)
+        self.num_layers, self.num_planes, self.num_blocks, self.block_size = shape[:4]
+        self.block_bytes = nbytes // (self.num_layers * self.num_planes * self.num_blocks)
+
+    @classmethod
+    def for_model(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, device: str,
+                  shared: bool = False) -> KVPool:
+        return cls(spec.pool_shape(num_blocks, block_size), spec.dtype, device, shared)
 
     @property
     def shm_name(self) -> str | None:
@@ -69,15 +75,20 @@ class KVPool:
         return memoryview(self.tensor.view(-1).view(torch.uint8).numpy())
 
     def segments(self, block_ids: list[int], layers: range | None = None) -> list[tuple[int, int]]:
-        """(offset, length) of the bytes of `block_ids`, in canonical (layer, K/V, block) order."""
-        bb, nb = self.block_bytes, self.num_blocks
+        """(offset, length) of the bytes of `block_ids`, in canonical (layer, plane, block) order."""
+        bb, nb, planes = self.block_bytes, self.num_blocks, self.num_planes
         runs = block_runs(block_ids)
         return [
-            (((layer * 2 + kv) * nb + first) * bb, count * bb)
+            (((layer * planes + plane) * nb + first) * bb, count * bb)
             for layer in (layers if layers is not None else range(self.num_layers))
-            for kv in (0, 1)
+            for plane in range(planes)
             for first, count in runs
         ]
+
+    def nbytes(self, block_ids: list[int], layers: range | None = None) -> int:
+        """Bytes of every plane of `block_ids` over `layers` (all by default)."""
+        num_layers = len(layers) if layers is not None else self.num_layers
+        return num_layers * self.num_planes * len(block_ids) * self.block_bytes
 
     def close(self) -> None:
         if self.shm is not None:
@@ -114,7 +125,7 @@ class RemotePool:
 
 
 def copy_block_runs(src: torch.Tensor, src_ids: list[int], out: torch.Tensor, dst_ids: list[int]) -> int:
-    """Copy blocks along dim 2 of [layers, 2, blocks, ...] tensors, one copy per common run."""
+    """Copy blocks along dim 2 of [layers, planes, blocks, ...] tensors, one copy per common run."""
     # Align source and destination runs: walk both lists in step and copy maximal common runs.
     copied, i, n = 0, 0, len(src_ids)
     while i < n:

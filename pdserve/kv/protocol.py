@@ -9,11 +9,14 @@ tcp transport, the block bytes right after it); D sends `PullDone` once the byte
 answers `Ack` after it has released its hold on the blocks. A D that drops a request before
 pulling it opens a connection with `PullDone` alone, and P frees that hold at once.
 
-Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then, for tcp, one
-`PushLayer` per layer and chunk with the bytes right after it (for shm P copies each layer into
-D's shared pool directly); then `PushDone`, which D acknowledges once the request is marked as
-arrived. D cancels by sending
-`Ack(ok=False)` at any time, which P sees before its next layer.
+Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then one `PushLayer`
+per layer and chunk, which D checks against the blocks it reserved, with the bytes right after it
+(tcp) or copied by P straight into D's shared pool (shm); then `PushDone`, which D acknowledges
+once the request is marked as arrived. D cancels by sending `Ack(ok=False)` at any time, which P
+sees before its next layer.
+
+`transport` in `PullRequest` and `PushBegin` names a registered transport (kv/transport/); the
+passive side refuses one it does not serve.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 class PullRequest(msgspec.Struct, tag=True):
     request_id: str  # P's request id (remote_request_id)
     block_ids: list[int]  # P's block ids to read, in order
-    transport: str  # "tcp" or "shm"
+    transport: str  # a registered transport's name
     layout: KVLayout
 
 
@@ -64,12 +67,12 @@ class PushBegin(msgspec.Struct, tag=True):
     """P -> D: a push session for D's request (D answers Ack, or Ack(ok=False) to refuse)."""
 
     request_id: str  # D's request id
-    transport: str  # "tcp" or "shm"
+    transport: str  # a registered transport's name
     layout: KVLayout
 
 
 class PushLayer(msgspec.Struct, tag=True):
-    """P -> D: one layer's K and V of `block_ids` (D's ids); for tcp the bytes follow."""
+    """P -> D: one layer's K and V of `block_ids` (D's ids) follow, over the session's transport."""
 
     layer: int
     block_ids: list[int]
@@ -80,7 +83,6 @@ class PushDone(msgspec.Struct, tag=True):
 
     ok: bool = True
     error: str | None = None
-    nbytes: int = 0  # bytes written into D's pool (shm pushes send no per-layer messages)
 
 
 class Challenge(msgspec.Struct, tag=True):

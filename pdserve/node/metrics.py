@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.api.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
+from pdserve.engine.client import EngineInfo, EngineStats
 from pdserve.engine.request import RequestOutput
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
-REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class NodeMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    """Request histograms fed from the engine's outputs (`observe_step`); gauges and transfer
+    counters read from the engine's stats snapshot at scrape time."""
+
+    def __init__(self, info: EngineInfo, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
@@ -29,24 +32,23 @@ class NodeMetrics:
         self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests", ["finish_reason"], registry=r)
         # pdserve:engine_info{device=,device_name=,isa=,dtype=,kernels=} 1: what this node runs on.
-        Info("pdserve:engine", "Device, ISA, dtype and kernel path of the engine", registry=r).info(engine.plan.labels())
-        scheduler, blocks = engine.scheduler, engine.block_manager
+        Info("pdserve:engine", "Device, ISA, dtype and kernel path of the engine", registry=r).info(info.engine_labels)
         Gauge("pdserve:num_requests_running", "Requests in the running batch", registry=r).set_function(
-            lambda: len(scheduler.running)
+            lambda: stats().num_running
         )
         Gauge("pdserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r).set_function(
-            lambda: len(scheduler.waiting)
+            lambda: stats().num_waiting
         )
-        Gauge("pdserve:kv_blocks_used", "KV blocks in use", registry=r).set_function(lambda: blocks.num_used_blocks)
-        Gauge("pdserve:kv_blocks_total", "KV blocks in the pool", registry=r).set(blocks.num_blocks)
+        Gauge("pdserve:kv_blocks_used", "KV blocks in use", registry=r).set_function(lambda: stats().kv_blocks_used)
+        Gauge("pdserve:kv_blocks_total", "KV blocks in the pool", registry=r).set(info.kv_blocks_total)
         Gauge("pdserve:kv_blocks_held", "KV blocks held for a decode node to pull", registry=r).set_function(
-            lambda: sum(len(req.block_ids) for req in list(scheduler.held.values()))
+            lambda: stats().kv_blocks_held
         )
         Gauge("pdserve:num_requests_waiting_for_remote_kv", "Requests waiting for KV from a prefill node",
-              registry=r).set_function(lambda: len(scheduler.loading))
+              registry=r).set_function(lambda: stats().num_loading)
         self.kv_load = Histogram("pdserve:kv_load_seconds", "Wait for remote KV per request (decode node)",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_KVTransferCollector(engine))
+        r.register(_KVTransferCollector(stats))
 
     def observe_step(self, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after each step."""
@@ -78,11 +80,11 @@ class NodeMetrics:
 class _KVTransferCollector(Collector):
     """Transfer counters kept by the connector's threads, read at scrape time."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.stats = engine.kv_stats
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
 
     def collect(self):
-        s = self.stats
+        s = self.stats().kv
         nbytes = CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes moved", labels=["direction"])
         nbytes.add_metric(["sent"], s.bytes_sent)
         nbytes.add_metric(["received"], s.bytes_received)

@@ -12,14 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import RequestOutput
-from pdserve.node.async_engine import AsyncEngine, EngineDeadError
-from pdserve.node.errors import APIError, error_response, install_error_handlers, too_busy
-from pdserve.node.guards import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, overloaded
-from pdserve.node.http import finished_before_disconnect
-from pdserve.node.metrics import NodeMetrics
-from pdserve.node.openai_protocol import (
+from pdserve.api.errors import APIError, error_response, install_error_handlers, too_busy
+from pdserve.api.guards import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, overloaded
+from pdserve.api.http import finished_before_disconnect
+from pdserve.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -27,6 +23,12 @@ from pdserve.node.openai_protocol import (
     new_id,
     now,
 )
+from pdserve.engine.client import EngineClient, EngineDeadError
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import RequestOutput
+from pdserve.engine.threaded_client import ThreadedEngineClient
+from pdserve.kv.params import parse as parse_kv_transfer_params
+from pdserve.node.metrics import NodeMetrics
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,15 +56,14 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 class NodeServer:
-    """Binds an engine to the HTTP API; `app` is the ASGI application."""
+    """Binds an engine client to the HTTP API; `app` is the ASGI application."""
 
-    def __init__(self, engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+    def __init__(self, engine: EngineClient, metrics: NodeMetrics, served_model_name: str, api_key: str | None = None,
                  max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.model_name = served_model_name
         self.api_key, self.max_waiting, self.max_body_bytes = api_key, max_waiting, max_body_bytes
-        self.metrics = NodeMetrics(engine)
-        self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
         self.app = self._build_app()
 
     # -- app ----------------------------------------------------------------------------------
@@ -70,9 +71,9 @@ class NodeServer:
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(_: FastAPI):
-            self.async_engine.start()
+            self.engine.start()
             yield
-            self.async_engine.stop()
+            self.engine.stop()
 
         app = FastAPI(title="pdserve node", lifespan=lifespan)
         app.add_middleware(GuardMiddleware, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
@@ -85,13 +86,13 @@ class NodeServer:
 
         @app.get("/health")
         async def health():
-            if not self.async_engine.healthy:
+            if not self.engine.healthy:
                 return error_response(503, "engine loop is not running", type_="service_unavailable")
             return {"status": "ok"}
 
         @app.get("/v1/models")
         async def models() -> ModelList:
-            return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)])
+            return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.engine.info.max_model_len)])
 
         @app.get("/metrics")
         async def metrics():
@@ -100,7 +101,7 @@ class NodeServer:
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
             self._check_model(body.model)
-            prompt_ids = self.engine.tokenize_prompt(body.single_prompt())
+            prompt_ids = self.engine.tokenize(body.single_prompt())
             params = body.to_sampling_params(self._max_tokens(body, len(prompt_ids), "max_tokens"))
             return await self._serve(raw, body, new_id("cmpl"), prompt_ids, params, chat=False)
 
@@ -108,8 +109,8 @@ class NodeServer:
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
             self._check_model(body.model)
             messages = body.template_messages()
-            prompt = self.engine.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-            prompt_ids = self.engine.tokenize_prompt(prompt)
+            prompt = self.engine.apply_chat_template(messages, body.add_generation_prompt)
+            prompt_ids = self.engine.tokenize(prompt)
             param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             params = body.to_sampling_params(self._max_tokens(body, len(prompt_ids), param), param)
             return await self._serve(raw, body, new_id("chatcmpl"), prompt_ids, params, chat=True)
@@ -124,7 +125,7 @@ class NodeServer:
 
     def _max_tokens(self, body, prompt_len: int, param: str) -> int:
         requested = body.requested_max_tokens()
-        limit = self.engine.max_model_len
+        limit = self.engine.info.max_model_len
         if requested is None:
             return limit - prompt_len
         if requested >= 1 and prompt_len + requested > limit:
@@ -136,12 +137,12 @@ class NodeServer:
         return requested
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool):
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.stats().num_waiting
         if overloaded(waiting, self.max_waiting):
             return too_busy(waiting)
-        kv_params = body.kv_transfer_params
+        kv_params = parse_kv_transfer_params(body.kv_transfer_params)
         self.engine.check_kv_transfer_params(kv_params, len(prompt_ids))  # 400 now, not on the engine thread
-        outputs = self.async_engine.generate(request_id, prompt_ids, params, kv_params)
+        outputs = self.engine.generate(request_id, prompt_ids, params, kv_params)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP
         # error, and the stage timings can go into the response headers.
         first = await self._next_or_disconnect(raw, outputs)
@@ -181,7 +182,7 @@ class NodeServer:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _full_response(self, out: RequestOutput, request_id: str, chat: bool) -> dict[str, Any]:
-        extra = {"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params else {}
+        extra = {"kv_transfer_params": out.kv_transfer_params.to_wire()} if out.kv_transfer_params else {}
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                       "finish_reason": out.finish_reason}
@@ -225,3 +226,12 @@ class NodeServer:
         except (EngineDeadError, ValueError) as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
         yield sse("[DONE]")
+
+
+def build_node_server(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+                      max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> NodeServer:
+    """A node whose engine runs on a thread of this process."""
+    client = ThreadedEngineClient(engine)
+    metrics = NodeMetrics(client.info, client.stats)
+    client.on_step = metrics.observe_step  # request histograms, fed on the engine thread
+    return NodeServer(client, metrics, served_model_name, api_key, max_waiting, max_body_bytes)

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.node.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
+from pdserve.api.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
 
 if TYPE_CHECKING:
-    from pdserve.proxy.app import RequestTiming
     from pdserve.proxy.policies import Node
+    from pdserve.proxy.timing import RequestTiming
 
 
 class ProxyMetrics:

@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.node.guards import RETRY_AFTER_S
+from pdserve.api.guards import RETRY_AFTER_S
 from pdserve.sampling_params import InvalidParameter
 
 

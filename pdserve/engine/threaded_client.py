@@ -1,8 +1,9 @@
-"""Run the engine's step loop on its own thread and stream its outputs into asyncio.
+"""`ThreadedEngineClient`: the engine's step loop on a thread of the server's process.
 
 torch releases the GIL inside its kernels, so the HTTP event loop stays responsive while a step
 runs. Requests and aborts reach the loop thread through a queue; outputs come back to each
-request's asyncio.Queue with `call_soon_threadsafe`.
+request's asyncio.Queue with `call_soon_threadsafe`; after every step the loop publishes the
+engine's stats snapshot, which the server reads instead of the scheduler.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Callable
 
+from pdserve.engine.client import EngineClient, EngineDeadError, EngineStats
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
+from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,16 +28,12 @@ IDLE_WAIT_S = 1.0
 TRANSFER_POLL_S = 0.002
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
 @dataclass
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     arrival_time: float = field(default_factory=time.perf_counter)  # counts the wait for a step to end
 
 
@@ -54,10 +53,12 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
+class ThreadedEngineClient(EngineClient):
     def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
+        self.info = engine.info()
         self.on_step = on_step  # called on the engine thread after every step (metrics)
+        self._stats = engine.stats()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
@@ -77,12 +78,27 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
+    def stats(self) -> EngineStats:
+        # Transfer counters move between steps (side-channel threads): read them now.
+        return replace(self._stats, kv=self.engine.kv_stats.snapshot())
+
+    # Tokenizing and checking run on the caller's thread: they read only what is fixed at start.
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize_prompt(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+
+    def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
+        self.engine.check_kv_transfer_params(params, num_prompt_tokens)
+
     async def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it."""
         if not self.healthy:
@@ -117,8 +133,10 @@ class AsyncEngine:
                     wait = TRANSFER_POLL_S if self.engine.has_unfinished_requests() else IDLE_WAIT_S
                 if not self._drain_commands(wait):
                     break
+                self._stats = self.engine.stats()  # the requests just added are waiting; aborted ones gone
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    self._stats = self.engine.stats()  # before the outputs: a client that has its answer sees its effect
                     for out in outputs:
                         stream = self._streams.get(out.request_id)
                         if stream is not None:

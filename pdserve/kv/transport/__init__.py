@@ -1,0 +1,67 @@
+"""Transports by name. A new transport is one module with a `Transport` subclass plus one line
+here; `tests/test_transports.py` runs the conformance suite against every entry.
+
+Order matters: `auto` takes the first transport that reaches the peer (shm on the same host,
+else tcp, which reaches everywhere).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from pdserve.kv.transport.base import PeerPool, Transport
+
+if TYPE_CHECKING:  # the registry imports nothing heavy: the CLI reads it for its choices
+    from pdserve.kv.pool import KVPool
+    from pdserve.kv.protocol import KVLayout
+
+TRANSPORTS: dict[str, str] = {
+    "shm": "pdserve.kv.transport.shm:ShmTransport",
+    "tcp": "pdserve.kv.transport.tcp:TcpTransport",
+}
+AUTO = "auto"
+
+__all__ = ["AUTO", "TRANSPORTS", "PeerPool", "Transport", "Transports", "choose_transport",
+           "transport_class", "uses_shared_pool"]
+
+
+class Transports(dict[str, Transport]):
+    """A node's transports by name, over its pool (a passive side serves whichever a peer names)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__({name: transport_class(name)(pool) for name in TRANSPORTS})
+        self.pool = pool
+
+    def to_serve(self, name: str, layout: KVLayout) -> Transport | str:
+        """The transport a peer named for a transfer it drives, or why this node cannot serve it."""
+        if layout != self.pool.layout:
+            return f"KV layout mismatch: this node {self.pool.layout}, peer {layout}"
+        transport = self.get(name)
+        if transport is None:
+            return f"unknown KV transport {name!r}"
+        return transport.serve_error() or transport
+
+    def close(self) -> None:
+        for transport in self.values():
+            transport.close()
+
+
+def transport_class(name: str) -> type[Transport]:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r} (known: {', '.join(TRANSPORTS)})")
+    module, cls = TRANSPORTS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def choose_transport(configured: str, peer_host: str, peer_shm_name: str | None) -> str:
+    """The transport to use with a peer: the configured one, or for auto the first that reaches it."""
+    if configured != AUTO:
+        return configured
+    return next(name for name in TRANSPORTS if transport_class(name).reaches(peer_host, peer_shm_name))
+
+
+def uses_shared_pool(configured: str) -> bool:
+    """Whether a node configured with this transport keeps its pool in shared memory."""
+    names = TRANSPORTS if configured == AUTO else [configured]
+    return any(transport_class(name).needs_shared_pool for name in names)

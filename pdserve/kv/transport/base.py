@@ -1,0 +1,73 @@
+"""The transport interface: how KV block bytes move between this node's pool and a peer's.
+
+Every transfer has an active side, which knows both block lists and drives it (D when it pulls,
+P when it pushes), and a passive side, which serves it on its end of the side-channel
+connection. Pull and push (kv/pull.py, kv/push.py) are written once against the four verbs
+below; a transport only moves bytes. Each verb returns the bytes it moved, also where the peer
+did the copy, so that both ends count every transfer once, whatever the transport.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pdserve.kv.pool import KVPool
+
+
+@dataclass(frozen=True)
+class PeerPool:
+    """What the active side knows of the peer's pool once the peer has accepted the transfer."""
+
+    host: str
+    shm_name: str | None  # the peer's pool in shared memory, if it has one
+    num_blocks: int
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+    # The active side's writes are a memcpy, cheaper on the engine thread than handed to a
+    # sender thread (which pays off for socket writes that overlap the next layers' compute).
+    copies_inline: ClassVar[bool] = False
+    # Pools must be created in shared memory for a peer to use this transport.
+    needs_shared_pool: ClassVar[bool] = False
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    @staticmethod
+    def reaches(peer_host: str, peer_shm_name: str | None) -> bool:
+        """Whether this transport can reach that peer (`auto` takes the first registered that can)."""
+        return True
+
+    def serve_error(self) -> str | None:
+        """Why this node cannot be the passive side of this transport, or None."""
+        return None
+
+    # -- active side ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def read(self, conn: socket.socket, peer: PeerPool, remote_ids: list[int], local_ids: list[int],
+             layers: range) -> int:
+        """Copy the peer's blocks `remote_ids` into ours `local_ids` (pull)."""
+
+    @abstractmethod
+    def write(self, conn: socket.socket, peer: PeerPool, local_ids: list[int], remote_ids: list[int],
+              layers: range) -> int:
+        """Copy our blocks `local_ids` into the peer's `remote_ids` (push)."""
+
+    # -- passive side ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def serve_read(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
+        """The peer is reading our blocks `local_ids` in this order."""
+
+    @abstractmethod
+    def serve_write(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
+        """The peer is writing into our blocks `local_ids`."""
+
+    def close(self) -> None:
+        """Drop what the transport mapped or opened."""

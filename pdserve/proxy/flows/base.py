@@ -1,0 +1,175 @@
+"""What every flow shares: picking a node with retries, P's one-token prefill request, and
+relaying the answer (streamed or whole) back to the client.
+
+A flow is one way of serving a request over the nodes (the proxy's `--mode`). It writes `serve`
+from these pieces and says how the nodes' timing headers split into stages (`split_stages`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from pdserve.kv.params import KVTransferParams
+from pdserve.proxy.client import NodeClient, NodeError, discard, header_seconds, unreachable, upstream_error
+from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.membership import Membership
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
+from pdserve.proxy.timing import RequestTiming
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Fields that only make sense for the streamed answer, not for P's one-token prefill request.
+_DECODE_ONLY_FIELDS = ("stream_options", "max_completion_tokens")
+
+
+@dataclass
+class ClientRequest:
+    """One client request as a flow sees it: the validated body, forwarded as the client sent it."""
+
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]
+    tokens: int  # load estimate, for the policies
+    timing: RequestTiming
+
+
+class Flow(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: ProxyConfig, members: Membership, client: NodeClient, metrics: ProxyMetrics) -> None:
+        self.config, self.members, self.client, self.metrics = config, members, client, metrics
+        self.prefill_policy = POLICIES[config.policy]()
+        self.decode_policy = POLICIES[config.policy]()
+
+    @abstractmethod
+    async def serve(self, req: ClientRequest) -> Response:
+        """The client's answer; raises NodeError for a node's error, relayed as it came."""
+
+    def split_stages(self, response: httpx.Response, timing: RequestTiming) -> None:
+        """Fill `timing` from the answering node's headers (pull: D's wait for the KV is the transfer)."""
+        timing.transfer_s = header_seconds(response, "x-pdserve-kv-load-ms")
+
+    def announce(self, params: KVTransferParams) -> bool:
+        """A node's word about a request in flight (push: D's blocks); False if nothing waits for it."""
+        return False
+
+    # -- choosing nodes -------------------------------------------------------------------------
+
+    async def on_some_node(self, role: str, req: ClientRequest, attempt: Callable[[Node], Awaitable[T]]) -> T:
+        """`attempt` on a prefill (or decode / colocated) node. While the node fails before answering
+        anything, it is taken out of rotation and `attempt` runs again on another one."""
+        pool, select, policy = ((self.members.prefillers, select_prefiller, self.prefill_policy) if role == "prefill"
+                                else (self.members.decoders, select_decoder, self.decode_policy))
+        tried: set[str] = set()
+        while True:
+            node = select([n for n in pool if n.url not in tried], policy, req.tokens)
+            try:
+                return await attempt(node)
+            except NodeError as exc:
+                # Only the chosen node's own failure moves on (in push, P's errors pass through D's attempt).
+                if exc.node != node.url or not self._retry_elsewhere(exc, node, tried, pool):
+                    raise
+
+    def _retry_elsewhere(self, exc: NodeError, node: Node, tried: set[str], pool: list[Node]) -> bool:
+        """After `node` failed: take it out of rotation and say whether another node can take over."""
+        if not exc.retryable:
+            return False
+        tried.add(node.url)
+        node.healthy = False  # the health checks bring it back
+        others = [n for n in pool if n.url not in tried and n.healthy]
+        logger.warning("%s node %s failed before answering (%s)%s", node.role, node.url, exc,
+                       "; retrying on another node" if others else "; no other node to try")
+        return bool(others)
+
+    # -- P ----------------------------------------------------------------------------------------
+
+    async def prefill(self, node: Node, req: ClientRequest, kv_params: KVTransferParams) -> dict[str, Any] | None:
+        """P's one-token request; returns the kv_transfer_params P answered with (as sent)."""
+        p_body = {k: v for k, v in req.body.items() if k not in _DECODE_ONLY_FIELDS}
+        p_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params.to_wire())
+        node.begin(req.tokens)
+        response = None
+        try:
+            response = await self.client.post(node, req.path, p_body)
+        finally:
+            node.end(req.tokens, ok=response is not None and response.status_code == 200)
+        timing = req.timing
+        timing.prefill_done = time.perf_counter()
+        timing.node_queue_s = header_seconds(response, "x-pdserve-queue-ms")
+        timing.prefill_s = max(timing.prefill_done - timing.arrival - timing.node_queue_s, 0.0)
+        if response.status_code != 200:
+            raise NodeError(response.status_code, response.content, node.url)
+        return response.json().get("kv_transfer_params")
+
+    # -- the answer -------------------------------------------------------------------------------
+
+    def ask(self, node: Node, req: ClientRequest, body: dict[str, Any]) -> asyncio.Future[httpx.Response]:
+        """Send the answer-producing request (to D, or a colocated node); `answer` relays it."""
+        node.begin(req.tokens)
+        return self.client.start(node, req.path, body)
+
+    async def answer(self, node: Node, answer: asyncio.Future, req: ClientRequest) -> Response:
+        """Relay the node's answer (already asked for with `ask`)."""
+        try:
+            response = await answer
+        except BaseException:
+            node.end(req.tokens, ok=False)
+            raise
+        self.split_stages(response, req.timing)
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            node.end(req.tokens, ok=False)
+            raise NodeError(response.status_code, content, node.url)
+        if not req.body.get("stream"):
+            try:
+                content = await response.aread()
+            except httpx.HTTPError as exc:  # nothing reached the client: another node may answer
+                node.end(req.tokens, ok=False)
+                raise unreachable(node, exc) from exc
+            finally:
+                await response.aclose()
+            node.end(req.tokens)
+            req.timing.done = time.perf_counter()
+            self.metrics.observe(req.timing)
+            return Response(content, media_type="application/json", headers=req.timing.stage_headers())
+        return StreamingResponse(self._relay(response, node, req), media_type="text/event-stream",
+                                 headers=req.timing.stage_headers())
+
+    async def give_up(self, node: Node, answer: asyncio.Future, req: ClientRequest) -> None:
+        """Drop an answer that will not be relayed (closing it aborts the request on the node)."""
+        await discard(answer)
+        node.end(req.tokens, ok=False)
+
+    async def _relay(self, response: httpx.Response, node: Node, req: ClientRequest) -> AsyncIterator[bytes]:
+        """The node's SSE bytes, passed on as they come; closing either side closes the other. If the
+        node fails mid-stream the client gets an SSE error event and `[DONE]`, not a cut connection."""
+        ok, tail, timing = True, b"", req.timing
+        try:
+            try:
+                async for chunk in response.aiter_raw():
+                    if timing.first_byte is None:
+                        timing.first_byte = time.perf_counter()
+                    tail = (tail + chunk)[-2:]
+                    yield chunk
+            except httpx.HTTPError as exc:
+                ok = False
+                logger.warning("%s node %s failed mid-stream: %r", node.role, node.url, exc)
+                event = upstream_error(502, f"{node.role} node {node.url} failed mid-stream: {exc or type(exc).__name__}")
+                yield (b"" if tail in (b"", b"\n\n") else b"\n\n") + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                return
+            timing.done = time.perf_counter()
+            self.metrics.observe(timing)
+        finally:
+            await response.aclose()
+            node.end(req.tokens, ok)

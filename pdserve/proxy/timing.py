@@ -1,0 +1,24 @@
+"""Where one request's time went, as the proxy sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestTiming:
+    """Proxy-side timestamps plus the stage split the nodes report in their headers."""
+
+    arrival: float
+    prefill_done: float | None = None
+    node_queue_s: float = 0.0  # time in P's waiting queue (P's x-pdserve-queue-ms)
+    prefill_s: float = 0.0  # P's prefill after its queue (colocated: the node's TTFT after its queue)
+    transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms); push: only what was exposed
+    first_byte: float | None = None
+    done: float | None = None
+
+    def stage_headers(self) -> dict[str, str]:
+        """The stages known when the answer starts, for clients that draw per-request timelines."""
+        return {"x-pdserve-queue-ms": f"{self.node_queue_s * 1e3:.3f}",
+                "x-pdserve-prefill-ms": f"{self.prefill_s * 1e3:.3f}",
+                "x-pdserve-kv-load-ms": f"{self.transfer_s * 1e3:.3f}"}

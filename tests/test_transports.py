@@ -1,0 +1,144 @@
+"""Conformance suite: every registered KV transport, on real TCP sockets and real shared memory.
+
+A transport moves bytes and nothing else: the active side's read (pull) and write (push) land
+exactly the named blocks of the named layers, the passive side's serve calls agree on the byte
+count, and a full push through PushSender / PushReceiver arrives intact and is counted once on
+each end. A new transport registered in kv/transport/ is tested here without a new line.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pdserve.kv.pool import KVPool
+from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
+from pdserve.kv.results import TransferInbox
+from pdserve.kv.stats import KVStats
+from pdserve.kv.transport import TRANSPORTS, PeerPool, Transports, choose_transport, transport_class
+
+SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
+SRC, DST = [3, 4, 5, 9, 10], [20, 7, 8, 0, 1]  # scattered, with a run on both sides
+ALL = list(TRANSPORTS)
+
+
+@pytest.fixture
+def pools():
+    """A filled pool (the peer that owns the KV) and an empty one, both in shared memory."""
+    full = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)
+    full.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
+    empty = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)
+    yield full, empty
+    full.close()
+    empty.close()
+
+
+@pytest.fixture
+def connection():
+    """Both ends of one loopback TCP connection."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    yield client, accepted
+    client.close()
+    accepted.close()
+
+
+def peer(pool: KVPool) -> PeerPool:
+    return PeerPool("127.0.0.1", pool.shm_name, pool.num_blocks)
+
+
+def only_blocks_written(pool: KVPool, blocks: list[int], layers: range) -> bool:
+    untouched = torch.ones(SHAPE[:3], dtype=torch.bool)
+    for layer in layers:
+        untouched[layer, :, blocks] = False
+    return bool(pool.tensor[untouched].abs().sum() == 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_read_lands_the_peers_blocks(name, pools, connection):
+    owner, reader = pools
+    active, passive = transport_class(name)(reader), transport_class(name)(owner)
+    client, server = connection
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(passive.serve_read, server, SRC, range(SHAPE[0]))
+        got = active.read(client, peer(owner), SRC, DST, range(SHAPE[0]))
+    active.close()
+    assert got == served.result() == owner.nbytes(SRC) > 0
+    assert torch.equal(reader.tensor[:, :, DST], owner.tensor[:, :, SRC])
+    assert only_blocks_written(reader, DST, range(SHAPE[0]))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_write_lands_one_layer_in_the_peers_blocks(name, pools, connection):
+    owner, target = pools
+    active, passive = transport_class(name)(owner), transport_class(name)(target)
+    client, server = connection
+    layer = range(2, 3)
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(passive.serve_write, server, DST, layer)
+        got = active.write(client, peer(target), SRC, DST, layer)
+    active.close()
+    assert got == served.result() == owner.nbytes(SRC, layer) > 0
+    assert torch.equal(target.tensor[2][:, DST], owner.tensor[2][:, SRC])
+    assert only_blocks_written(target, DST, layer)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
+    owner, target = pools
+    p_transports, d_transports = Transports(owner), Transports(target)
+    p_stats, d_stats, inbox = KVStats(), KVStats(), TransferInbox()
+    receiver = PushReceiver(target, d_transports, d_stats, inbox, "127.0.0.1", 0)
+    sender = PushSender(owner, p_transports, p_stats, name, timeout_s=10)
+    try:
+        receiver.expect("d-1", DST, timeout_s=30)
+        push = PushTarget("d-1", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
+        # Two steps (chunks), as a chunked prefill pushes them: the first three blocks, then the rest.
+        for src, dst, last in ((SRC[:3], DST[:3], False), (SRC[3:], DST[3:], True)):
+            sender.begin_step([SaveSpec("p-1", push, src, dst, last)])
+            for layer in range(SHAPE[0]):
+                sender.save_kv_layer(layer)
+            sender.wait_for_save()
+        [result] = inbox.poll(timeout=30)
+    finally:
+        receiver.close()
+        p_transports.close()
+        d_transports.close()
+    assert result.error is None and (result.request_id, result.mode, result.transport) == ("d-1", "push", name)
+    assert sender.failed_requests() == []
+    assert torch.equal(target.tensor[:, :, DST], owner.tensor[:, :, SRC])
+    assert only_blocks_written(target, DST, range(SHAPE[0]))
+    assert p_stats.snapshot().bytes_sent == d_stats.snapshot().bytes_received == result.nbytes == owner.nbytes(SRC) > 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
+    owner, target = pools
+    p_transports, d_transports = Transports(owner), Transports(target)
+    receiver = PushReceiver(target, d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
+    sender = PushSender(owner, p_transports, KVStats(), name, timeout_s=10)
+    try:
+        push = PushTarget("nobody", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
+        sender.begin_step([SaveSpec("p-1", push, SRC, DST, last=True)])
+        sender.save_kv_layer(0)
+        sender.wait_for_save()
+        [(request_id, error)] = sender.failed_requests()
+    finally:
+        receiver.close()
+        p_transports.close()
+        d_transports.close()
+    assert request_id == "p-1" and "not waiting for a push of request 'nobody'" in error
+    assert target.tensor.abs().sum() == 0
+
+
+def test_auto_takes_shared_memory_on_this_host_and_tcp_elsewhere():
+    assert choose_transport("auto", "127.0.0.1", "pdserve-kv-x") == "shm"
+    assert choose_transport("auto", "198.18.0.2", "pdserve-kv-x") == "tcp"  # another host
+    assert choose_transport("auto", "127.0.0.1", None) == "tcp"  # the peer has no shared pool
+    assert choose_transport("tcp", "127.0.0.1", "pdserve-kv-x") == "tcp"
+    with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
+        transport_class("rdma")
