@@ -9,11 +9,13 @@ tcp transport, the block bytes right after it); D sends `PullDone` once the byte
 answers `Ack` after it has released its hold on the blocks. A D that drops a request before
 pulling it opens a connection with `PullDone` alone, and P frees that hold at once.
 
-Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then one `PushLayer`
-per layer and chunk, which D checks against the blocks it reserved, with the bytes right after it
-(tcp) or copied by P straight into D's shared pool (shm); then `PushDone`, which D acknowledges
-once the request is marked as arrived. D cancels by sending `Ack(ok=False)` at any time, which P
-sees before its next layer.
+Push, one connection per request: P sends `PushBegin`, D accepts with `Ack`; then `PushLayers`
+messages naming D's blocks and the layers written into them, which D checks against the blocks it
+reserved: over tcp one per layer and chunk, with the bytes right after it; over shm, where P copies
+each layer straight into D's shared pool, one per chunk once its layers are copied (a message per
+layer cost P ~8 % of a 512-token prefill); then `PushDone`, which D acknowledges once the request
+is marked as arrived. D cancels by sending `Ack(ok=False)` at any time, which P sees before its
+next layer.
 
 `transport` in `PullRequest` and `PushBegin` names a registered transport (kv/transport/); the
 passive side refuses one it does not serve.
@@ -71,10 +73,12 @@ class PushBegin(msgspec.Struct, tag=True):
     layout: KVLayout
 
 
-class PushLayer(msgspec.Struct, tag=True):
-    """P -> D: one layer's K and V of `block_ids` (D's ids) follow, over the session's transport."""
+class PushLayers(msgspec.Struct, tag=True):
+    """P -> D: layers [first_layer, first_layer + num_layers) of `block_ids` (D's ids), written over
+    the session's transport (tcp: the bytes follow; shm: already copied)."""
 
-    layer: int
+    first_layer: int
+    num_layers: int
     block_ids: list[int]
 
 
@@ -104,7 +108,7 @@ class AuthResult(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayer | PushDone | Challenge | Auth | AuthResult
+Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayers | PushDone | Challenge | Auth | AuthResult
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -4,8 +4,8 @@ P (`PushSender`): `save_kv_layer(layer)` is called from the forward pass right a
 written its KV, and writes that layer of every pushing request into D's blocks over the session's
 transport: on a sender thread, so that socket writes overlap the next layers' compute, or right
 there when the transport's write is a memcpy (`copies_inline`, cheaper than a thread hand-off).
-At the end of the step `wait_for_save()` waits for the sender thread; a request's last chunk
-ends its session with `PushDone`, and P frees its blocks at once.
+At the end of the step `wait_for_save()` waits for the sender thread and tells D what the memcpy
+transports wrote; a request's last chunk ends its session with `PushDone`, and P frees its blocks.
 
 D (`PushReceiver`): listens on the side channel, accepts a session only for a request it is
 waiting for, lands each layer in that request's reserved blocks, and reports the arrival (or the
@@ -30,7 +30,7 @@ from pdserve.kv.protocol import (
     ProtocolError,
     PushBegin,
     PushDone,
-    PushLayer,
+    PushLayers,
     recv_msg,
     send_msg,
 )
@@ -122,6 +122,8 @@ class PushSender:
         self._tasks.put((lambda *_: barrier.set(), None, None, None))
         barrier.wait()
         for spec, session in self._step:
+            if session.error is None and session.transport.copies_inline and spec.src_block_ids:
+                self._announce_copied(spec, session)
             if spec.last:
                 self._sessions.pop(spec.request_id, None)
                 if session.error is None:
@@ -167,10 +169,18 @@ class PushSender:
         try:
             if _peer_cancelled(session.sock):
                 raise ProtocolError("decode node cancelled the push")
-            send_msg(session.sock, PushLayer(layer, spec.dst_block_ids))
+            if not session.transport.copies_inline:  # the bytes follow the message on the connection
+                send_msg(session.sock, PushLayers(layer, 1, spec.dst_block_ids))
             session.nbytes += session.transport.write(session.sock, session.peer, spec.src_block_ids,
                                                       spec.dst_block_ids, range(layer, layer + 1))
         except (OSError, ProtocolError) as exc:
+            self._fail(spec.request_id, session, str(exc))
+
+    def _announce_copied(self, spec: SaveSpec, session: _Session) -> None:
+        """A memcpy transport wrote every layer of this chunk: one message tells D which blocks."""
+        try:
+            send_msg(session.sock, PushLayers(0, self.pool.num_layers, spec.dst_block_ids))
+        except OSError as exc:
             self._fail(spec.request_id, session, str(exc))
 
     def _end(self, session: _Session, ok: bool, error: str | None = None) -> None:
@@ -286,15 +296,17 @@ class PushReceiver:
                 if isinstance(msg, PushDone):
                     error = None if msg.ok else (msg.error or "push abandoned by the prefill node")
                     break
-                if not isinstance(msg, PushLayer):
+                if not isinstance(msg, PushLayers):
                     raise ProtocolError(f"unexpected {type(msg).__name__} in a push session")
+                layers = range(msg.first_layer, msg.first_layer + msg.num_layers)
                 with self._lock:
                     exp = self._expected[rid]
                     if exp.cancelled:
                         raise ProtocolError("push cancelled by the decode node")
-                    if not set(msg.block_ids) <= exp.block_ids or not 0 <= msg.layer < self.pool.num_layers:
-                        raise ProtocolError("push names blocks or a layer this request does not own")
-                nbytes += transport.serve_write(conn, msg.block_ids, range(msg.layer, msg.layer + 1))
+                    if not set(msg.block_ids) <= exp.block_ids or not (
+                            0 <= layers.start and layers and layers.stop <= self.pool.num_layers):
+                        raise ProtocolError("push names blocks or layers this request does not own")
+                nbytes += transport.serve_write(conn, msg.block_ids, layers)
         except (OSError, ProtocolError) as exc:
             error = str(exc)
             try:
