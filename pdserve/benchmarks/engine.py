@@ -8,8 +8,11 @@
 
 Each (system, dtype) runs in a fresh subprocess so that memory figures are its own. Measures
 prefill tok/s (512-token prompt), decode tok/s at batch 1/8/32 (128-token prompts), offline
-throughput for 8 x 512 -> 128 and 1 x 2048 -> 64, KV bytes per token and RSS. Writes
-`docs/results/engine.json` and the engine table in `docs/benchmarks.md`.
+throughput for 8 x 512 -> 128 and 1 x 2048 -> 64, KV bytes per token and RSS. For pdserve also
+the memory bound of decode: the read bandwidth measured in the same process, the weights a step
+streams and the batch-1 limit that sets per weight format (float32, bfloat16, int8, int4), the
+effective GB/s of each decode figure, and the decode step against context (32 to 4096 tokens).
+Writes `docs/results/engine.json` and the engine table in `docs/benchmarks.md`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from pdserve.platform import CPU_ENV, CpuInfo
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
 OFFLINE_SHAPES = ((8, 512, 128), (1, 2048, 64))
+STEP_CONTEXTS = (32, 256, 1024, 2048, 4096)  # decode step time against context, batch 1
+BANDWIDTH_MIB = 512  # a buffer well past the last-level cache
+# Weight bytes per parameter of each format: the floor of a batch-1 decode step is streaming them.
+WEIGHT_FORMATS = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -43,12 +50,38 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def read_bandwidth_gbs(repeats: int = 5) -> float:
+    """Memory read bandwidth of this process's threads: summing a buffer far larger than the cache."""
+    data = torch.ones(BANDWIDTH_MIB * 2**20 // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def streamed_params(model: torch.nn.Module) -> int:
+    """Parameters a decode step reads whole: every projection (the LM head included, counted by
+    shape since a pre-packed projection keeps no `weight`) and norm. The embedding table is read
+    one row per token; tied to the LM head, it is counted as the LM head."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.in_features * module.out_features + (module.bias.numel() if module.bias is not None else 0)
+        elif not isinstance(module, torch.nn.Embedding):
+            total += sum(p.numel() for p in module.parameters(recurse=False))
+    return total
+
+
 # -- pdserve ------------------------------------------------------------------------------------
 
 
 def bench_pdserve(dtype: str, quick: bool) -> dict:
     from pdserve import LLM, SamplingParams
 
+    bandwidth = read_bandwidth_gbs()  # before the model: its buffer must not count in the peak RSS
     llm = LLM(dtype=dtype)
     plan = llm.engine.plan
     result = {"engine": plan.labels(), "rss_after_load_mib": rss_mib(),
@@ -70,6 +103,24 @@ def bench_pdserve(dtype: str, quick: bool) -> dict:
         step = statistics.median(itl for o in outs for itl in o.metrics.inter_token_latencies)
         result[f"decode_b{batch}_tok_s"] = batch / step
         result[f"decode_b{batch}_step_ms"] = step * 1e3
+
+    # What a decode step must read: the weights, plus each sequence's KV at its context.
+    model = llm.engine.model_runner.model
+    params = streamed_params(model)
+    weight_bytes = params * torch.empty((), dtype=plan.torch_dtype).element_size()
+    result.update(read_bandwidth_gbs=bandwidth, streamed_params=params, weight_bytes=weight_bytes)
+    result["weight_streaming_limit_tok_s"] = {f: bandwidth * 1e9 / (params * b) for f, b in WEIGHT_FORMATS.items()}
+    kv = llm.engine.kv_spec.bytes_per_token
+    for batch in DECODE_BATCHES:
+        context = DECODE_PROMPT_LEN + DECODE_STEPS // 2  # the median step's
+        read = weight_bytes + batch * context * kv
+        result[f"decode_b{batch}_effective_gbs"] = read / (result[f"decode_b{batch}_step_ms"] / 1e3) / 1e9
+
+    contexts = STEP_CONTEXTS[:3] if quick else STEP_CONTEXTS
+    result["decode_step_ms_by_context"] = {}
+    for i, context in enumerate(contexts):
+        [out] = llm.generate(random_prompts(1, context, 200 + i), greedy(9))
+        result["decode_step_ms_by_context"][str(context)] = statistics.median(out.metrics.inter_token_latencies) * 1e3
 
     for n, inp, outp in OFFLINE_SHAPES[:1] if quick else OFFLINE_SHAPES:
         start = time.perf_counter()
@@ -195,7 +246,32 @@ def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
             )
     kv = {d: results["pdserve"][d]["kv_bytes_per_token"] for d in dtypes}
     lines.append("- KV cache bytes per token: " + ", ".join(f"{d} {v / 1024:.1f} KiB" for d, v in kv.items()))
+    for d in dtypes:
+        lines += memory_bound_lines(d, results["pdserve"][d])
     return "\n".join(lines)
+
+
+def memory_bound_lines(dtype: str, p: dict) -> list[str]:
+    """How far pdserve's decode is from streaming its weights (and KV) at the measured bandwidth."""
+    if "read_bandwidth_gbs" not in p:
+        return []
+    limits = p["weight_streaming_limit_tok_s"]
+    steps = p["decode_step_ms_by_context"]
+    first, longest = next(iter(steps)), list(steps)[-1]
+    growth = f"; step at 2048 / step at {first} = {steps['2048'] / steps[first]:.2f}x" if "2048" in steps else ""
+    return [
+        f"- pdserve {dtype}: read bandwidth {p['read_bandwidth_gbs']:.1f} GB/s (summing {BANDWIDTH_MIB} MiB, same "
+        f"process); a decode step streams {p['streamed_params'] / 1e6:.0f} M parameters, "
+        f"{p['weight_bytes'] / 2**20:.0f} MiB here. Weight-streaming limit at batch 1: "
+        + ", ".join(f"{f} {v:.1f}" for f, v in limits.items()) + " tok/s; "
+        f"decode batch 1 reaches {p['decode_b1_tok_s'] / limits['float32']:.2f}x the float32 limit",
+        f"- pdserve {dtype}, effective read GB/s of the decode figures (weights + KV at context "
+        f"{DECODE_PROMPT_LEN + DECODE_STEPS // 2}): "
+        + ", ".join(f"batch {b} {p[f'decode_b{b}_effective_gbs']:.1f}" for b in DECODE_BATCHES),
+        f"- pdserve {dtype}, decode step (ms) against context, batch 1: "
+        + ", ".join(f"{c}: {ms:.1f}" for c, ms in steps.items()) + growth
+        + (f" (up to {longest} tokens)" if not growth else ""),
+    ]
 
 
 def main() -> None:
