@@ -13,34 +13,41 @@ from pdserve.procs import Child, ChildFailed, ProcessGroup, free_port
 __all__ = ["Procs", "free_port", "metric", "start_pdserve", "wait_for_metric"]
 
 
-def start_pdserve(args: list[str], tmp_dir, name: str, ready_path: str = "/health", timeout: float = 120.0) -> Child:
-    """Run `pdserve <args> --port <free>` and wait until `ready_path` answers 200."""
-    child = Child.on_free_port(name, args, ready_path=ready_path, log_path=os.path.join(str(tmp_dir), f"{name}.log"))
-    child.start()
+def pdserve_child(args: list[str], tmp_dir, name: str, ready_path: str = "/health") -> Child:
+    """`pdserve <args> --port <free>`, its output in `<tmp_dir>/<name>.log`."""
+    return Child.on_free_port(name, args, ready_path=ready_path, log_path=os.path.join(str(tmp_dir), f"{name}.log"))
+
+
+def wait_ready(child: Child, timeout: float = 120.0) -> Child:
+    """Wait until the started child answers its ready path; a failure carries its whole log."""
     try:
         ProcessGroup().wait_ready([child], timeout)
     except ChildFailed as exc:
         raise RuntimeError(f"{exc}:\n{child.log()}") from None
     except TimeoutError:
         child.stop()
-        raise TimeoutError(f"{name} not ready after {timeout}s:\n{child.log()}") from None
+        raise TimeoutError(f"{child.name} not ready after {timeout}s:\n{child.log()}") from None
     return child
 
 
+def start_pdserve(args: list[str], tmp_dir, name: str, ready_path: str = "/health", timeout: float = 120.0) -> Child:
+    """Run `pdserve <args> --port <free>` and wait until `ready_path` answers 200."""
+    child = pdserve_child(args, tmp_dir, name, ready_path)
+    child.start()
+    return wait_ready(child, timeout)
+
+
 class Procs(ProcessGroup):
-    """pdserve processes started under distinct names, each waited for, and stopped together
-    (killed ones included) however the `with` block ends; their logs go to `tmp_dir`."""
+    """pdserve processes started under distinct names (so that no log is overwritten), each waited
+    for, and stopped together (killed ones included) however the `with` block ends; their logs go
+    to `tmp_dir`."""
 
     def __init__(self, tmp_dir) -> None:
         super().__init__(stop_grace_s=15.0)
         self.tmp_dir = tmp_dir
 
     def start(self, args: list[str], name: str) -> Child:  # type: ignore[override]
-        if any(c.name == name for c in self.children):
-            raise ValueError(f"a process named {name!r} was already started (its log would be overwritten)")
-        child = start_pdserve(args, self.tmp_dir, name)
-        self.children.append(child)
-        return child
+        return wait_ready(super().start(pdserve_child(args, self.tmp_dir, name)))
 
     def values(self) -> list[Child]:
         return list(self.children)

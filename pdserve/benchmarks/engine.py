@@ -34,6 +34,7 @@ from pdserve.platform import CPU_ENV, CpuInfo
 
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
+DECODE_MEDIAN_CONTEXT = DECODE_PROMPT_LEN + DECODE_STEPS // 2  # the context of the median decode step
 OFFLINE_SHAPES = ((8, 512, 128), (1, 2048, 64))
 STEP_CONTEXTS = (32, 256, 1024, 2048, 4096)  # decode step time against context, batch 1
 BANDWIDTH_MIB = 512  # a buffer well past the last-level cache
@@ -112,8 +113,7 @@ def bench_pdserve(dtype: str, quick: bool) -> dict:
     result["weight_streaming_limit_tok_s"] = {f: bandwidth * 1e9 / (params * b) for f, b in WEIGHT_FORMATS.items()}
     kv = llm.engine.kv_spec.bytes_per_token
     for batch in DECODE_BATCHES:
-        context = DECODE_PROMPT_LEN + DECODE_STEPS // 2  # the median step's
-        read = weight_bytes + batch * context * kv
+        read = weight_bytes + batch * DECODE_MEDIAN_CONTEXT * kv
         result[f"decode_b{batch}_effective_gbs"] = read / (result[f"decode_b{batch}_step_ms"] / 1e3) / 1e9
 
     contexts = STEP_CONTEXTS[:3] if quick else STEP_CONTEXTS
@@ -266,7 +266,7 @@ def memory_bound_lines(dtype: str, p: dict) -> list[str]:
         + ", ".join(f"{f} {v:.1f}" for f, v in limits.items()) + " tok/s; "
         f"decode batch 1 reaches {p['decode_b1_tok_s'] / limits['float32']:.2f}x the float32 limit",
         f"- pdserve {dtype}, effective read GB/s of the decode figures (weights + KV at context "
-        f"{DECODE_PROMPT_LEN + DECODE_STEPS // 2}): "
+        f"{DECODE_MEDIAN_CONTEXT}): "
         + ", ".join(f"batch {b} {p[f'decode_b{b}_effective_gbs']:.1f}" for b in DECODE_BATCHES),
         f"- pdserve {dtype}, decode step (ms) against context, batch 1: "
         + ", ".join(f"{c}: {ms:.1f}" for c, ms in steps.items()) + growth

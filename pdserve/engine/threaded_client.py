@@ -133,7 +133,6 @@ class ThreadedEngineClient(EngineClient):
                     wait = TRANSFER_POLL_S if self.engine.has_unfinished_requests() else IDLE_WAIT_S
                 if not self._drain_commands(wait):
                     break
-                self._stats = self.engine.stats()  # the requests just added are waiting; aborted ones gone
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()  # before the outputs: a client that has its answer sees its effect
@@ -155,14 +154,16 @@ class ThreadedEngineClient(EngineClient):
 
     def _drain_commands(self, wait: float) -> bool:
         """Apply queued adds and aborts, waiting up to `wait` s for the first; False once asked to stop."""
+        applied = False
         while True:
             try:
                 cmd = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
             except queue.Empty:
-                return True
+                break
             wait = 0.0
             if cmd is None:
                 return False
+            applied = True
             if isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 continue
@@ -174,3 +175,6 @@ class ThreadedEngineClient(EngineClient):
                                         cmd.arrival_time)
             except ValueError as exc:
                 stream.put(exc)
+        if applied:  # publish now: the requests just added are waiting, the aborted ones gone
+            self._stats = self.engine.stats()
+        return True
