@@ -30,11 +30,11 @@ test: install-test
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
-# CI's second pass: the engine-vs-transformers correctness tests and one PD equivalence test
-# (push = pull = colocated) on the portable path as an AVX2-only CPU runs it.
+# CI's second pass: the engine-vs-transformers correctness tests (quantized ones included) and PD
+# equivalence tests (push = pull = colocated; int4) on the portable path as an AVX2-only CPU runs it.
 test-portable: install-test
 	$(PORTABLE_AVX2) $(PY) -m pytest -q tests/test_model_vs_transformers.py tests/test_platform.py \
-		tests/test_pd_push.py::test_push_equals_pull_equals_colocated
+		tests/test_pd_push.py::test_push_equals_pull_equals_colocated tests/test_quantization.py
 
 # The whole suite on that path (about as long as `make test`).
 test-avx2: install-test

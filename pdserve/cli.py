@@ -17,9 +17,16 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
                              "PDSERVE_KERNELS=portable forces the portable kernels (and float32 for auto)")
 
 
+def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="weight-only quantization for decode (CPU): auto follows the GGUF (Q4_x: int4, "
+                             "Q8_0: int8; float weights: none); the output head is int8 whenever quantized")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_dtype_arg(parser)
+    add_quantization_arg(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB", help="KV pool size in GiB")
@@ -47,6 +54,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_transfer=kv,
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         threads=args.threads,
         max_model_len=args.max_model_len,
         kv_cache_memory_gib=args.kv_cache_memory,
@@ -209,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--model", default=None)
     add_dtype_arg(up)
+    add_quantization_arg(up)
     up.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB")
     up.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS])
     up.add_argument("--max-model-len", type=int, default=None)

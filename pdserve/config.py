@@ -12,6 +12,7 @@ from pdserve.platform import kernel_mode
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, for decode (models/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    gguf_weight_type: str | None = None  # the main weight type of the GGUF it was converted from
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -74,6 +76,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            gguf_weight_type=cfg.get("gguf_weight_type"),
         )
 
     @classmethod
@@ -120,6 +123,7 @@ class EngineConfig:
 
     model: str | None = None  # HF dir or .gguf file; None = the embedded SmolLM2
     dtype: str = "auto"
+    quantization: str = "auto"  # auto | none | int8 | int4 (models/quantization.py; auto follows the GGUF)
     device: str = "cpu"
     kernels: str | None = None  # auto | portable; None = $PDSERVE_KERNELS, else auto
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
@@ -137,6 +141,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         kernel_mode(self.kernels)  # a bad value (or $PDSERVE_KERNELS) is an error now, not at load
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

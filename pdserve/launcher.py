@@ -31,7 +31,8 @@ def run_up(args) -> int:
     plan = plan_kernels(args.dtype)  # what each node will choose on this machine (a bad setting stops us here)
     roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = plan_cores(len(roles))
-    node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
+    node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype,
+                 "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory),
                  "--kv-transport", args.kv_transport, "--log-level", args.log_level]
     if args.max_model_len:
         node_args += ["--max-model-len", str(args.max_model_len)]

@@ -30,4 +30,5 @@ def hf_smollm(smollm_dir):
 def llm_fp32(smollm_dir):
     from pdserve import LLM
 
-    return LLM(str(smollm_dir), dtype="float32", kv_cache_memory_gib=0.25)
+    # Unquantized: the GGUF's float weights, exactly what transformers loads (quantized: test_quantization).
+    return LLM(str(smollm_dir), dtype="float32", quantization="none", kv_cache_memory_gib=0.25)

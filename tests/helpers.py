@@ -16,3 +16,28 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         tokens.append(token)
         out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return tokens
+
+
+def hf_with_weights_of(llm):
+    """transformers' Llama on the weights pdserve's model computes with (the dequantized ones, when
+    quantized), float32: the reference for a quantized engine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model, cfg = llm.engine.model_runner.model, llm.engine.model_config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        name = "model." + name if not name.startswith("lm_head") else name
+        if name.endswith("qkv_proj.weight"):
+            for part, t in zip("qkv", tensor.float().split([q, kv, kv])):
+                weights[name.replace("qkv_proj", f"{part}_proj")] = t
+        elif name.endswith("gate_up_proj.weight"):
+            for part, t in zip(("gate", "up"), tensor.float().chunk(2)):
+                weights[name.replace("gate_up_proj", f"{part}_proj")] = t
+        else:
+            weights[name] = tensor.float()
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llm.engine.model_dir), dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    reference.tie_weights()
+    return reference.eval()

@@ -59,12 +59,12 @@ _no_cache: dict[str, LLM] = {}
 
 def LLM_NO_CACHE(llm: LLM) -> LLM:
     if "llm" not in _no_cache:
-        _no_cache["llm"] = LLM(str(llm.engine.model_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+        _no_cache["llm"] = LLM(str(llm.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256, enable_prefix_caching=False)
     return _no_cache["llm"]
 
 
 def test_chunked_prefill_same_tokens(llm_fp32, prompts, solo_outputs):
-    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", num_kv_blocks=256,
+    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256,
               max_num_batched_tokens=16, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == solo_outputs
@@ -73,7 +73,7 @@ def test_chunked_prefill_same_tokens(llm_fp32, prompts, solo_outputs):
 
 def test_preemption_under_tiny_kv_budget(llm_fp32, prompts, solo_outputs):
     # 20 blocks of 16 = 320 tokens: all 8 requests (up to ~250 tokens each with output) can't coexist.
-    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", num_kv_blocks=20, max_model_len=320,
+    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=20, max_model_len=320,
               max_num_batched_tokens=64, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -82,7 +82,7 @@ def test_preemption_under_tiny_kv_budget(llm_fp32, prompts, solo_outputs):
 
 
 def test_no_deadlock_when_one_request_needs_the_whole_pool(llm_fp32):
-    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", num_kv_blocks=4, max_model_len=64,
+    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=4, max_model_len=64,
               max_num_batched_tokens=8)
     prompt = list(range(1000, 1040))
     outs = llm.generate([prompt, prompt[:20], prompt[:30]], SamplingParams(temperature=0, max_tokens=23, ignore_eos=True))

@@ -17,7 +17,7 @@ from pdserve.benchmarks.procinfo import alive, children
 from pdserve.procs import ProcessGroup, up_child
 
 MODEL = "SmolLM2-135M-Instruct"
-NODE = ["--dtype", "float32", "--kv-cache-memory", "0.15"]
+NODE = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.15"]
 
 
 def long_text() -> str:
@@ -151,7 +151,7 @@ def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_signal):
-    up = up_child(["--dtype", "float32", "--kv-cache-memory", "0.15"], log_path=str(tmp_path / "up.log"))
+    up = up_child(["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.15"], log_path=str(tmp_path / "up.log"))
     up.start()
     try:
         ProcessGroup().wait_ready([up], 180)

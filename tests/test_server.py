@@ -28,7 +28,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    proc = start_pdserve(["serve", "--dtype", "float32", "--kv-cache-memory", "0.25"], tmp_path_factory.mktemp("node"), "node")
+    proc = start_pdserve(["serve", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.25"], tmp_path_factory.mktemp("node"), "node")
     yield proc
     assert proc.stop() == 0
 
@@ -178,7 +178,7 @@ def test_metrics_count_what_was_served(node, client):
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
-    proc = start_pdserve(["serve", "--dtype", "float32", "--kv-cache-memory", "0.1", "--graceful-timeout", "3"], tmp_path, "sigterm")
+    proc = start_pdserve(["serve", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.1", "--graceful-timeout", "3"], tmp_path, "sigterm")
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
     received = []
     with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=30) as response:

@@ -1,12 +1,14 @@
 """Engine benchmark: pdserve against transformers on SmolLM2, same threads and dtype, one run.
 
-    python -m pdserve.benchmarks.engine [--threads 1] [--dtypes float32 bfloat16] [--quick]
+    python -m pdserve.benchmarks.engine [--threads 1] [--dtypes float32 bfloat16] [--quantizations int4] [--quick]
 
     # the portable path as on an AVX2-only CPU, into its own section and file:
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PDSERVE_KERNELS=portable \
         python -m pdserve.benchmarks.engine --dtypes float32 --section engine_avx2 --out docs/results/engine_avx2.json
 
-Each (system, dtype) runs in a fresh subprocess so that memory figures are its own. Measures
+The float columns run unquantized (the same weights as transformers); each of --quantizations adds a
+pdserve column with that weight-only quantization on the default dtype (`int4` is what `auto` serves
+for the embedded Q4_1 GGUF). Each column runs in a fresh subprocess so that memory figures are its own. Measures
 prefill tok/s (512-token prompt), decode tok/s at batch 1/8/32 (128-token prompts), offline
 throughput for 8 x 512 -> 128 and 1 x 2048 -> 64, KV bytes per token and RSS. For pdserve also
 the memory bound of decode: the read bandwidth measured in the same process, the weights a step
@@ -63,6 +65,22 @@ def read_bandwidth_gbs(repeats: int = 5) -> float:
     return data.numel() * 4 / best / 1e9
 
 
+def streamed_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes a batch-1 decode step reads whole: the quantized codes of a quantized projection, else
+    its dense weight in `dtype` (the same parameters as streamed_params)."""
+    dense = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if isinstance(module, torch.nn.Linear):
+            weight = module.in_features * module.out_features
+            total += quantized.nbytes if quantized is not None else weight * dense
+            total += module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
+        elif not isinstance(module, torch.nn.Embedding):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
 def streamed_params(model: torch.nn.Module) -> int:
     """Parameters a decode step reads whole: every projection (the LM head included, counted by
     shape since a pre-packed projection keeps no `weight`) and norm. The embedding table is read
@@ -79,13 +97,13 @@ def streamed_params(model: torch.nn.Module) -> int:
 # -- pdserve ------------------------------------------------------------------------------------
 
 
-def bench_pdserve(dtype: str, quick: bool) -> dict:
+def bench_pdserve(dtype: str, quantization: str, quick: bool) -> dict:
     from pdserve import LLM, SamplingParams
 
     bandwidth = read_bandwidth_gbs()  # before the model: its buffer must not count in the peak RSS
-    llm = LLM(dtype=dtype)
+    llm = LLM(dtype=dtype, quantization=quantization)
     plan = llm.engine.plan
-    result = {"engine": plan.labels(), "rss_after_load_mib": rss_mib(),
+    result = {"engine": llm.engine.labels(), "rss_after_load_mib": rss_mib(),
               "kv_bytes_per_token": llm.engine.kv_spec.bytes_per_token}
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     llm.generate(random_prompts(2, 64, 0), greedy(4))  # warm up
@@ -108,7 +126,7 @@ def bench_pdserve(dtype: str, quick: bool) -> dict:
     # What a decode step must read: the weights, plus each sequence's KV at its context.
     model = llm.engine.model_runner.model
     params = streamed_params(model)
-    weight_bytes = params * torch.empty((), dtype=plan.torch_dtype).element_size()
+    weight_bytes = streamed_bytes(model, plan.torch_dtype)
     result.update(read_bandwidth_gbs=bandwidth, streamed_params=params, weight_bytes=weight_bytes)
     result["weight_streaming_limit_tok_s"] = {f: bandwidth * 1e9 / (params * b) for f, b in WEIGHT_FORMATS.items()}
     kv = llm.engine.kv_spec.bytes_per_token
@@ -187,12 +205,12 @@ def bench_transformers(dtype: str, quick: bool) -> dict:
 # -- orchestration ------------------------------------------------------------------------------
 
 
-def run_one(system: str, dtype: str, threads: int, quick: bool) -> dict:
-    """Run one (system, dtype) in a subprocess pinned to `threads` torch threads."""
+def run_one(system: str, dtype: str, threads: int, quick: bool, quantization: str = "none") -> dict:
+    """Run one (system, dtype, quantization) in a subprocess pinned to `threads` torch threads."""
     cmd = [sys.executable, "-m", "pdserve.benchmarks.engine", "--only", system, "--dtypes", dtype,
-           "--threads", str(threads)] + (["--quick"] if quick else [])
+           "--quantizations", quantization, "--threads", str(threads)] + (["--quick"] if quick else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    print(f"  running {system} {dtype} ...", file=sys.stderr, flush=True)
+    print(f"  running {system} {dtype} {quantization} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -210,19 +228,22 @@ METRICS = [
 ]
 
 
-def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
-    cols = [(s, d) for d in dtypes for s in ("pdserve", "transformers")]
+def markdown(results: dict, threads: int, dtypes: list[str], quantizations: list[str]) -> str:
+    cols = [(s, d) for d in dtypes for s in ("pdserve", "transformers")] + [("pdserve", q) for q in quantizations]
     meta = results["meta"]
     env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
     lines = [
         f"Command: `{env + ' ' if env else ''}python -m pdserve.benchmarks.engine --threads {threads}` "
-        f"({meta['date']}, {threads} thread(s), SmolLM2-135M-Instruct).",
+        f"({meta['date']}, {threads} thread(s), SmolLM2-135M-Instruct). Float columns unquantized; "
+        + "".join(f"`{q}`: {q} weights on the default dtype ({results['pdserve'][q]['engine']['dtype']}). "
+                  for q in quantizations),
         "",
         f"CPU: {meta['cpu']}, ISA {meta['isa']} (torch's dispatch level), torch {meta['torch']}. "
         "Kernel path per column: onednn = bf16 weights pre-packed for oneDNN, portable = torch's own "
         "operators, eager = transformers' own model.",
         "",
         "| metric | " + " | ".join(f"{s} {d} ({results[s][d]['engine']['kernels']})" for s, d in cols) + " |",
+        # (a quantized column's kernels: its prefill path; its decode runs the int kernels)
         "|---|" + "---|" * len(cols),
     ]
     for key, label in METRICS:
@@ -237,7 +258,7 @@ def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
         lines.append(f"- pdserve / transformers, {d}: {ratios}")
     if "float32" in dtypes:
         t32 = results["transformers"]["float32"]
-        for d in dtypes:
+        for d in dtypes + quantizations:
             p = results["pdserve"][d]
             lines.append(
                 f"- pdserve {d} / transformers float32: decode b1 {p['decode_b1_tok_s'] / t32['decode_b1_tok_s']:.2f}x, "
@@ -246,7 +267,7 @@ def markdown(results: dict, threads: int, dtypes: list[str]) -> str:
             )
     kv = {d: results["pdserve"][d]["kv_bytes_per_token"] for d in dtypes}
     lines.append("- KV cache bytes per token: " + ", ".join(f"{d} {v / 1024:.1f} KiB" for d, v in kv.items()))
-    for d in dtypes:
+    for d in dtypes + quantizations:
         lines += memory_bound_lines(d, results["pdserve"][d])
     return "\n".join(lines)
 
@@ -262,7 +283,7 @@ def memory_bound_lines(dtype: str, p: dict) -> list[str]:
     return [
         f"- pdserve {dtype}: read bandwidth {p['read_bandwidth_gbs']:.1f} GB/s (summing {BANDWIDTH_MIB} MiB, same "
         f"process); a decode step streams {p['streamed_params'] / 1e6:.0f} M parameters, "
-        f"{p['weight_bytes'] / 2**20:.0f} MiB here. Weight-streaming limit at batch 1: "
+        f"{p['weight_bytes'] / 2**20:.0f} MiB in this format. Weight-streaming limit at batch 1: "
         + ", ".join(f"{f} {v:.1f}" for f, v in limits.items()) + " tok/s; "
         f"decode batch 1 reaches {p['decode_b1_tok_s'] / limits['float32']:.2f}x the float32 limit",
         f"- pdserve {dtype}, effective read GB/s of the decode figures (weights + KV at context "
@@ -278,6 +299,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--quantizations", nargs="*", default=["int4"], choices=["int4", "int8", "none"],
+                        help="pdserve columns with weight-only quantization, on the default dtype")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and shapes (a smoke run)")
     parser.add_argument("--only", choices=["pdserve", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="docs/results/engine.json")
@@ -287,8 +310,10 @@ def main() -> None:
 
     if args.only:  # child process: one system, one dtype, JSON on the last stdout line
         torch.set_num_threads(args.threads)
-        fn = bench_pdserve if args.only == "pdserve" else bench_transformers
-        print(json.dumps(fn(args.dtypes[0], args.quick)))
+        if args.only == "pdserve":
+            print(json.dumps(bench_pdserve(args.dtypes[0], args.quantizations[0], args.quick)))
+        else:
+            print(json.dumps(bench_transformers(args.dtypes[0], args.quick)))
         return
 
     cpu = CpuInfo.detect()
@@ -308,7 +333,10 @@ def main() -> None:
     for dtype in args.dtypes:
         for system in ("pdserve", "transformers"):
             results[system][dtype] = run_one(system, dtype, args.threads, args.quick)
-    table = markdown(results, args.threads, args.dtypes)
+    quantizations = [q for q in args.quantizations if q != "none"]
+    for q in quantizations:
+        results["pdserve"][q] = run_one("pdserve", "auto", args.threads, args.quick, quantization=q)
+    table = markdown(results, args.threads, args.dtypes, quantizations)
     if args.no_docs:
         print(table)
     else:

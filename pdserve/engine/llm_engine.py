@@ -22,6 +22,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import uses_shared_pool
 from pdserve.models.loader import kv_cache_spec, load_model, resolve_model_dir
+from pdserve.models.quantization import resolve_quantization
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import plan_kernels
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -75,7 +76,10 @@ class LLMEngine:
             else max(config.max_num_batched_tokens, self.max_model_len)
         )
 
-        model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack)
+        # Weight-only quantization for decode: `auto` serves a Q4 GGUF as int4 (models/quantization.py).
+        self.quantization = resolve_quantization(config.quantization, mc.gguf_weight_type, config.device)
+        model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack,
+                           quantization=self.quantization)
         kv = config.kv_transfer
         # P and D keep their pools in shared memory when a transport may need it (shm: a peer on
         # this host copies blocks with one memcpy, D out of P's pool, P into D's).
@@ -99,8 +103,8 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s, %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            self.model_dir.name, self.plan.dtype, num_blocks, config.block_size,
+            "engine ready: %s, %s, quantization %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            self.model_dir.name, self.plan.dtype, self.quantization, num_blocks, config.block_size,
             num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
 
@@ -172,7 +176,11 @@ class LLMEngine:
     # -- state, for the engine client -----------------------------------------------------------
 
     def info(self) -> EngineInfo:
-        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.plan.labels())
+        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels())
+
+    def labels(self) -> dict[str, str]:
+        """How this engine computes: the kernel plan and the weights' quantization."""
+        return {**self.plan.labels(), "quantization": self.quantization}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""

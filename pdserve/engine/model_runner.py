@@ -25,10 +25,8 @@ class ModelRunner:
         """Compute the scheduled tokens; return the sampled next token of each request that samples."""
         if not out.scheduled:
             return {}
-        # Decodes (one new token on top of a cached context) first, shortest context first: they
-        # share batched SDPAs by groups of similar length.
-        batch = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1 or s.request.num_computed_tokens == 0,
-                                                     s.request.num_computed_tokens))
+        # Decodes first, shortest context first: they share batched SDPAs by groups of similar length.
+        batch = sorted(out.scheduled, key=lambda s: (not is_decode(s), s.request.num_computed_tokens))
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
         samplers = [s for s in batch if s.samples]
@@ -39,7 +37,8 @@ class ModelRunner:
             offset += s.num_new_tokens
             if s.samples:
                 last_index.append(offset - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+        # Decodes always sample, so they are the first rows of the logits too.
+        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)], meta.num_decodes)
         tokens = sample(logits, [s.request.params for s in samplers], [s.request.generator for s in samplers])
         return {s.request.request_id: t for s, t in zip(samplers, tokens)}
 
@@ -58,14 +57,14 @@ class ModelRunner:
             table = torch.tensor(req.block_ids)
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            if n == 1 and start > 0:
+            if is_decode(s):
                 decode_tables.append(req.block_ids)
                 decode_lens.append(start + 1)
             else:
                 first = len(ids) - n
                 cached = table.to(dev) if start > 0 else None
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens))
         for start, end in decode_groups(decode_lens):
             meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
@@ -78,6 +77,12 @@ class ModelRunner:
         visible = torch.arange(width * bs, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)
         mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
         return DecodeGroup(start, end, padded, mask[:, None, None, :])
+
+
+def is_decode(s: ScheduledRequest) -> bool:
+    """One new token after an output token. A lone prompt token (the last one, computed by a decode
+    node whose KV came from P) is a prefill chunk: it takes the path a colocated node's prefill takes."""
+    return s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
 
 
 MIN_GROUP_CONTEXT = 512  # below this, one more SDPA costs more than the padding it saves

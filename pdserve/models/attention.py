@@ -40,6 +40,7 @@ class AttentionMetadata:
     """Per-step layout of a batch, shared by every layer. Decode tokens come first."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token in the pool
+    num_decodes: int = 0  # the batch's first rows are decodes (what the quantized kernels run on)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 

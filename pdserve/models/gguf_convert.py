@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +87,15 @@ def read_hf_config(reader) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "torch_dtype": "float32",
+        # What `--quantization auto` follows: the type most matrices were stored in.
+        "gguf_weight_type": main_weight_type(reader),
     }
+
+
+def main_weight_type(reader) -> str:
+    """The GGUF type most of the file's matrices are stored in (Q4_1 for the embedded SmolLM2)."""
+    counts = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    return counts.most_common(1)[0][0] if counts else "F32"
 
 
 def read_weights(reader, config: dict) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ is most of the decode cost for a small model on a CPU.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -15,6 +16,9 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, paged_attention
 from pdserve.models.kv_spec import KVCacheSpec
+from pdserve.models.quantization import MAX_QUANTIZED_ROWS, QuantizedWeight, can_quantize, quantize
+
+logger = logging.getLogger(__name__)
 
 # Called after each layer has written its KV (the hook for layer-wise KV push).
 LayerHook = Callable[[int], None]
@@ -34,19 +38,39 @@ def padded_rows(rows: int) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on oneDNN's pre-packed weights (bf16 on a CPU, where pdserve.platform
-    chooses the onednn path: ~1.5x faster GEMV with bf16 arithmetic)."""
+    """nn.Linear that can run small batches on quantized weights (models/quantization.py), and big
+    ones on oneDNN's pre-packed weights (bf16 on a CPU, where pdserve.platform chooses the onednn
+    path: ~1.5x faster GEMV with bf16 arithmetic)."""
 
     packed_weight: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
+
+    def quantize(self, method: str) -> None:
+        """Decode on `method` codes; the dense weight becomes the dequantized one, in place (so that
+        a tied embedding reads the same weights)."""
+        self.quantized, dequantized = quantize(method, self.weight.detach())
+        with torch.no_grad():
+            self.weight.copy_(dequantized)
 
     def pack_for_cpu(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self.weight = None  # the packed copy replaces it (a tied embedding keeps its own reference)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in_features]
+    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:  # x: [rows, in_features]
+        """`decode_rows`: x's first rows are decodes. They run on the quantized kernel (when there are
+        few: memory-bound), prefill rows on the dense weights. So the path a token takes does not
+        depend on what else is in the batch: a decode node and a colocated one compute it alike."""
+        if self.quantized is None or not 0 < decode_rows <= MAX_QUANTIZED_ROWS:
+            return self._dense(x)
+        out = self.quantized(x[:decode_rows].to(torch.bfloat16)).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out if decode_rows == x.shape[0] else torch.cat((out, self._dense(x[decode_rows:])))
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
         x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
 
@@ -105,7 +129,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, meta.num_decodes)
         num_tokens, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -114,7 +138,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk, *rope)  # q and k heads rotated in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(out.flatten(1), meta.num_decodes)
 
 
 class MLP(nn.Module):
@@ -123,9 +147,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, decode_rows).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, decode_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -138,7 +162,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.num_decodes)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,8 +198,8 @@ class LlamaForCausalLM(nn.Module):
                 after_layer(i)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        return self.lm_head(hidden, decode_rows).float()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -188,6 +212,22 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.float()
                 module.out_dtype = dtype
+
+    def quantize(self, method: str) -> dict[str, int]:
+        """Quantize the projections to `method` (int4 | int8) and the output head to int8 (the
+        logits are the most sensitive: GGUF files keep it at 8 bits too). Returns bytes by format."""
+        nbytes: dict[str, int] = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            kind = "int8" if module is self.lm_head else method
+            if not can_quantize(kind, module.weight):
+                logger.warning("%s %s stays dense: torch's %s kernel does not take this shape", name,
+                               tuple(module.weight.shape), kind)
+                continue
+            module.quantize(kind)
+            nbytes[kind] = nbytes.get(kind, 0) + module.quantized.nbytes
+        return nbytes
 
     def pack_for_cpu(self) -> None:
         """Pre-pack every bf16 projection for oneDNN (where pdserve.platform chose the onednn path)."""

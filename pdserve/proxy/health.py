@@ -57,7 +57,7 @@ def sample(metrics_text: str, name: str) -> float:
 
 
 def engine_info(metrics_text: str) -> dict[str, str]:
-    """What a node runs on (device, ISA, dtype, kernels): the labels of its pdserve:engine_info."""
+    """What a node runs on (device, ISA, dtype, kernels, quantization): the labels of its pdserve:engine_info."""
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
             if s.name == "pdserve:engine_info":

@@ -1,0 +1,162 @@
+"""Weight-only quantization (int4 / int8): exact GGUF codes, kernels that compute the dequantized
+weights, greedy output equal to transformers on those weights up to ties, and PD = colocated."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import hf_with_weights_of
+from safetensors import safe_open
+from servers import Procs
+from test_model_vs_transformers import CHATS, PROMPTS, pdserve_prompt_logits
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.models.quantization import (
+    INT4_GROUP,
+    can_quantize,
+    int4_codes,
+    quantize_int4,
+    quantize_int8,
+    resolve_quantization,
+)
+from pdserve.proxy.health import engine_info
+
+# A token is "tied" with the reference's argmax when its reference logit is within this of the
+# maximum. The quantized kernels take bf16 activations, which moves logits (span +-35) by up to
+# ~0.2 here; a wrong weight or kernel moves them by whole units.
+TIE_MARGIN = 0.5
+
+
+@pytest.fixture(scope="module")
+def llm_int4(smollm_dir):
+    return LLM(str(smollm_dir), dtype="float32", quantization="int4", kv_cache_memory_gib=0.1)
+
+
+def test_auto_follows_the_gguf(smollm_dir):
+    assert ModelConfig.from_dir(smollm_dir).gguf_weight_type == "Q4_1"
+    assert resolve_quantization("auto", "Q4_1", "cpu") == "int4"
+    assert resolve_quantization("auto", "Q8_0", "cpu") == "int8"
+    assert resolve_quantization("auto", "F16", "cpu") == "none"
+    assert resolve_quantization("auto", None, "cpu") == "none"  # an HF checkpoint
+    assert resolve_quantization("auto", "Q4_1", "cuda") == "none"  # torch's kernels here are CPU ones
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        resolve_quantization("int4", None, "cuda:0")
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
+        EngineConfig(quantization="int3")
+
+
+def test_int4_recovers_the_gguf_q4_1_codes(smollm_dir):
+    """Requantizing the float weights dequantized from Q4_1 gives back the file's codes exactly."""
+    with safe_open(str(smollm_dir / "model.safetensors"), framework="pt") as f:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight"):
+            weight = f.get_tensor(name)
+            codes, step, low = int4_codes(weight)
+            rebuilt = (codes * step + low).reshape(weight.shape)
+            # float32 rounding only: a wrong code would be off by a whole step (~1e-2 here).
+            assert (rebuilt - weight).abs().max() <= 1e-6 * weight.abs().max(), name
+            assert ((rebuilt - weight).abs() / step.min()).max() < 1e-3
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_kernels_compute_the_dequantized_weight(method, rows):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(96, 128) * 0.05, torch.randn(rows, 128)
+    quantized, dequantized = (quantize_int4 if method == "int4" else quantize_int8)(weight)
+    # Quantization error within half a step of the original ...
+    if method == "int4":
+        steps = (weight.reshape(96, -1, INT4_GROUP).aminmax(dim=-1))
+        step = ((steps.max - steps.min) / 15).repeat_interleave(INT4_GROUP, 1)
+    else:
+        step = (weight.abs().amax(-1, keepdim=True) / 127).expand_as(weight)
+    assert ((dequantized - weight).abs() <= 0.51 * step + 1e-2 * weight.abs()).all()
+    # ... and the kernel computes x @ dequantized.T (bf16 activations and output).
+    out = quantized(x.bfloat16()).float()
+    torch.testing.assert_close(out, F.linear(x.bfloat16().float(), dequantized), rtol=1e-2, atol=1e-2)
+
+
+def test_shapes_the_kernels_refuse_stay_dense():
+    assert can_quantize("int4", torch.empty(960, 576)) and can_quantize("int8", torch.empty(7, 64))
+    assert not can_quantize("int4", torch.empty(40, 64))  # N % 16
+    assert not can_quantize("int4", torch.empty(64, 48))  # K % 32
+    assert not can_quantize("int8", torch.empty(7, 5))  # K % 8 (torch's kernel crashes on it)
+
+
+def test_prefill_runs_the_dequantized_weights_exactly(llm_int4):
+    """Prefill rows take the dense path: transformers on the dequantized weights gives the same logits."""
+    reference = hf_with_weights_of(llm_int4)
+    assert llm_int4.engine.labels()["quantization"] == "int4"
+    for prompt in PROMPTS[:2]:
+        ids = llm_int4.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            expected = reference(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(pdserve_prompt_logits(llm_int4, ids), expected, atol=1e-2, rtol=1e-3)
+
+
+def test_greedy_int4_equals_transformers_up_to_ties(llm_int4):
+    """Greedy decode on int4 against transformers on the dequantized weights, token by token.
+
+    The reference scores the engine's own sequence (teacher forcing): at every step the engine's
+    token must be the reference's argmax, or tied with it within TIE_MARGIN; an untied pick fails.
+    """
+    reference = hf_with_weights_of(llm_int4)
+    tok = llm_int4.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode(tok.apply_chat_template(c)) for c in CHATS]
+    outputs = llm_int4.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    exact = steps = 0
+    for ids, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            logits = reference(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(out.token_ids).unsqueeze(1)).squeeze(1)
+        gap = logits.max(-1).values - chosen
+        assert gap.max() <= TIE_MARGIN, (tok.decode(ids), int(gap.argmax()), float(gap.max()))
+        exact += int((gap == 0).sum())
+        steps += len(out.token_ids)
+    assert exact / steps >= 0.95  # ties are rare (5 of 320 steps when measured)
+    answer = llm_int4.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=32))
+    assert answer.text == "The capital of France is Paris."
+
+
+def test_int4_decodes_with_fewer_weight_bytes(llm_int4):
+    model = llm_int4.engine.model_runner.model
+    layer = model.layers[0].mlp.gate_up_proj
+    # 4-bit codes plus a bf16 scale and offset per 32: 0.625 bytes a weight against float32's 4.
+    assert layer.quantized.nbytes == layer.weight.numel() * 5 // 8
+    assert model.lm_head.quantized.codes.dtype == torch.int8  # the output head stays 8-bit
+
+
+# -- PD on the default (quantized) path ------------------------------------------------------------
+
+MODEL = "SmolLM2-135M-Instruct"
+NODE = ["--kv-cache-memory", "0.1"]  # default dtype and --quantization auto: int4 for this GGUF
+
+
+def test_pd_on_int4_answers_as_colocated(tmp_path):
+    """P + D on the default int4 path give the colocated node's answers.
+
+    Exact equality of long greedy runs is a float32 + unquantized property (test_pd_pull, test_pd_push):
+    D computes the last prompt token alone, a colocated node inside the prompt's GEMM, so that row
+    differs in float32's last bits, and the int4 kernels' bf16 activations can turn such a
+    difference into a flipped near-tie many tokens later (as --dtype bfloat16 can). The first token
+    (dense on both sides, from the transferred KV) and a short answer must still be equal.
+    """
+    with Procs(tmp_path) as procs:
+        both = procs.start(["serve", "--role", "both", *NODE], "both")
+        p = procs.start(["serve", "--role", "prefill", *NODE], "p")
+        d = procs.start(["serve", "--role", "decode", *NODE], "d")
+        proxy = procs.start(["proxy", "--prefill", p.url, "--decode", d.url], "proxy")
+        colocated, pd = (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+                         for url in (both.url, proxy.url))
+        for prompt in PROMPTS:
+            first = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+                     for c in (colocated, pd)]
+            assert first[0] == first[1], prompt
+        answers = [c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=32, temperature=0)
+                   .choices[0].message.content for c in (colocated, pd)]
+        assert answers == ["The capital of France is Paris."] * 2
+        for node in (both, p, d):
+            assert engine_info(httpx.get(node.url + "/metrics").text)["quantization"] == "int4"
