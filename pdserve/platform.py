@@ -108,6 +108,7 @@ class KernelPlan:
     kernels: str  # onednn (pre-packed bf16 weights) | portable (torch's own operators)
     reason: str
     warning: str | None = None  # logged once at start
+    compiled: bool = False  # pdserve's own C++ kernels may run (CPU, not forced portable)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -143,7 +144,7 @@ def plan_kernels(dtype: str = "auto", device: str = "cpu", kernels: str | None =
     cpu = cpu or CpuInfo.detect()
 
     def plan(resolved: str, path: str, reason: str, warning: str | None = None) -> KernelPlan:
-        return KernelPlan(device, cpu.model, cpu.isa, resolved, path, reason, warning)
+        return KernelPlan(device, cpu.model, cpu.isa, resolved, path, reason, warning, compiled=mode != "portable")
 
     if mode == "portable":
         return plan("float32" if dtype == "auto" else dtype, PORTABLE, f"{KERNELS_ENV}=portable")

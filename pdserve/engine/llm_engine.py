@@ -22,6 +22,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import uses_shared_pool
 from pdserve.models.loader import kv_cache_spec, load_model, resolve_model_dir
+from pdserve.models.native import native_ops
 from pdserve.models.quantization import resolve_quantization
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import plan_kernels
@@ -99,12 +100,17 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
             self.connector, self.kv_stats, kv.load_failure_policy,
         )
-        self.model_runner = ModelRunner(model, self.pool, config.device)
+        # Decode attention on pdserve's C++ kernel (blocks read in place) unless forced portable or
+        # it cannot be built here (no compiler): then SDPA over gathered blocks.
+        ops = native_ops() if self.plan.compiled else None
+        self.attention = "native" if ops is not None else "sdpa"
+        self.model_runner = ModelRunner(model, self.pool, config.device,
+                                        ops.paged_decode_attention if ops is not None else None)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s, %s, quantization %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            self.model_dir.name, self.plan.dtype, self.quantization, num_blocks, config.block_size,
+            "engine ready: %s, %s, quantization %s, %s decode attention, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            self.model_dir.name, self.plan.dtype, self.quantization, self.attention, num_blocks, config.block_size,
             num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
 
@@ -179,8 +185,8 @@ class LLMEngine:
         return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels())
 
     def labels(self) -> dict[str, str]:
-        """How this engine computes: the kernel plan and the weights' quantization."""
-        return {**self.plan.labels(), "quantization": self.quantization}
+        """How this engine computes: the kernel plan, the weights' quantization, the decode attention."""
+        return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""

@@ -7,13 +7,14 @@ import torch
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.kv.pool import KVPool
-from pdserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk
 from pdserve.models.llama import LayerHook
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, decode_kernel: DecodeKernel | None = None):
         self.model = model
+        self.decode_kernel = decode_kernel  # None: SDPA over gathered blocks
         self.pool = pool
         self.block_size = pool.block_size
         self.device = torch.device(device)
@@ -64,10 +65,25 @@ class ModelRunner:
                 first = len(ids) - n
                 cached = table.to(dev) if start > 0 else None
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens),
+                                 decode_kernel=self.decode_kernel)
+        if self.decode_kernel is not None and decode_lens:  # one group: the kernel pads nothing
+            meta.decode_groups.append(self._kernel_group(decode_tables, decode_lens))
+            return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
         for start, end in decode_groups(decode_lens):
             meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
+
+    def _kernel_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        # Split long contexts so that every thread has work even at batch 1 (4 units per thread),
+        # in partitions of at least MIN_PARTITION_BLOCKS (merging partitions costs too).
+        units = len(lens) * self.kv_cache.shape[-2]  # sequences x KV heads
+        wanted = -(-4 * torch.get_num_threads() // units)
+        partition = max(MIN_PARTITION_BLOCKS, -(-width // wanted))
+        return DecodeGroup(0, len(lens), padded, context_lens=torch.tensor(lens, device=self.device),
+                           partition_blocks=partition)
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         bs, dev = self.block_size, self.device
@@ -85,6 +101,7 @@ def is_decode(s: ScheduledRequest) -> bool:
     return s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
 
 
+MIN_PARTITION_BLOCKS = 8  # C++ decode attention: the fewest context blocks one work unit reads
 MIN_GROUP_CONTEXT = 512  # below this, one more SDPA costs more than the padding it saves
 
 

@@ -2,14 +2,17 @@
 
 The KV pool of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), so a
 block is a contiguous slice: a transfer backend can move it without reshaping. New keys and
-values are scattered into their slots with one `index_copy_`; decodes are attended in batched SDPAs
-over block-table gathers, one per group of similar context lengths (so that a few long contexts do
-not pad every short one to their length); prefill chunks (few, long) get one SDPA each.
+values are scattered into their slots with one `index_copy_`. Decodes are attended by pdserve's C++
+kernel, which reads the blocks where they lie (models/csrc, `decode_kernel`), or, on the portable
+path, in batched SDPAs over block-table gathers, one per group of similar context lengths (so that a
+few long contexts do not pad every short one to their length). Prefill chunks (few, long) get one
+SDPA each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +30,18 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """Decode tokens [start, end) of the batch, padded to this group's longest context."""
+    """Decode tokens [start, end) of the batch, their block tables padded to the longest."""
 
     start: int
     end: int
-    block_tables: torch.Tensor  # [n, max_blocks]
-    mask: torch.Tensor  # additive 0 / -inf, [n, 1, 1, max_blocks * block_size]
+    block_tables: torch.Tensor  # [n, max_blocks] int64
+    mask: torch.Tensor | None = None  # SDPA: additive 0 / -inf, [n, 1, 1, max_blocks * block_size]
+    context_lens: torch.Tensor | None = None  # the C++ kernel: [n] int64
+    partition_blocks: int = 0  # the C++ kernel: context blocks per work unit
+
+
+# (query, kv_cache, block_tables, context_lens, out, scale, partition_blocks) -> None, writing out.
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], None]
 
 
 @dataclass
@@ -42,6 +51,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token in the pool
     num_decodes: int = 0  # the batch's first rows are decodes (what the quantized kernels run on)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_kernel: DecodeKernel | None = None  # None: SDPA over gathered blocks
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -68,6 +78,10 @@ def paged_attention(
 
     out = torch.empty_like(q)
     for group in meta.decode_groups:
+        if meta.decode_kernel is not None:
+            meta.decode_kernel(q[group.start : group.end], kv_cache, group.block_tables, group.context_lens,
+                               out[group.start : group.end], scale, group.partition_blocks)
+            continue
         keys, values = _gather(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
         query = q[group.start : group.end].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)

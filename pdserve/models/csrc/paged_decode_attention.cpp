@@ -1,0 +1,185 @@
+// Decode attention over the paged KV cache, reading each block where it lies (no gather copy).
+//
+// One query token per sequence. Work units are (sequence, KV head, context partition): a unit reads
+// each K and V row of its partition once for all the query heads that share that KV head (GQA), and
+// keeps an online softmax (running max, sum, weighted V) per head, rescaled once per block. Long
+// contexts are split into partitions so that a batch of one still feeds every thread; a second pass
+// merges the partitions' softmax states (flash-decoding).
+//
+// Built for the machine it runs on (-march=native, cached per CPU in pdserve/models/native.py);
+// the SDPA path in attention.py stays the portable one.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kMaxBlockSize = 128;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// The softmax state of one (sequence, KV head, partition): per query head, max, sum and sum(p * V).
+struct Partial {
+  float* max;  // [group]
+  float* sum;  // [group]
+  float* acc;  // [group, head_dim]
+};
+
+template <typename scalar_t>
+void attend_partition(const float* q,  // [group, head_dim], already scaled
+                      const scalar_t* k_cache, const scalar_t* v_cache,  // [num_blocks, block_size, kv_heads, head_dim]
+                      const int64_t* blocks, int64_t first_block, int64_t last_block, int64_t context_len,
+                      int64_t block_size, int64_t kv_heads, int64_t kv_head, int64_t head_dim, int64_t group,
+                      Partial out) {
+  const int64_t row_stride = kv_heads * head_dim;
+  const int64_t block_stride = block_size * row_stride;
+  float scores[kMaxGroup][kMaxBlockSize];
+  for (int64_t g = 0; g < group; ++g) {
+    out.max[g] = -std::numeric_limits<float>::infinity();
+    out.sum[g] = 0.f;
+    std::fill(out.acc + g * head_dim, out.acc + (g + 1) * head_dim, 0.f);
+  }
+  for (int64_t b = first_block; b < last_block; ++b) {
+    const int64_t rows = std::min(block_size, context_len - b * block_size);
+    if (rows <= 0) break;
+    const scalar_t* k_block = k_cache + blocks[b] * block_stride + kv_head * head_dim;
+    const scalar_t* v_block = v_cache + blocks[b] * block_stride + kv_head * head_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* k = k_block + r * row_stride;
+      float kf[kMaxHeadDim];
+      for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(k[d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
+        scores[g][r] = dot;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float block_max = scores[g][0];
+      for (int64_t r = 1; r < rows; ++r) block_max = std::max(block_max, scores[g][r]);
+      const float new_max = std::max(out.max[g], block_max);
+      const float correction = std::exp(out.max[g] - new_max);  // 0 on the first block (max = -inf)
+      out.sum[g] *= correction;
+      float* acc = out.acc + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = std::exp(scores[g][r] - new_max);
+        out.sum[g] += p;
+        const scalar_t* v = v_block + r * row_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * to_float(v[d]);
+      }
+      out.max[g] = new_max;
+    }
+  }
+}
+
+template <typename scalar_t>
+void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks) {
+  const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
+  const int64_t partitions = (max_blocks + partition_blocks - 1) / partition_blocks;
+  const int64_t num_blocks = kv_cache.size(1);
+
+  const at::Tensor q = query.to(at::kFloat).mul(scale).contiguous();
+  const float* q_data = q.data_ptr<float>();
+  const scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
+  const scalar_t* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+
+  // Per unit: max[group], sum[group], acc[group * head_dim].
+  const int64_t unit_floats = group * (2 + head_dim);
+  std::vector<float> partials(seqs * kv_heads * partitions * unit_floats);
+  auto partial = [&](int64_t s, int64_t h, int64_t p) {
+    float* base = partials.data() + ((s * kv_heads + h) * partitions + p) * unit_floats;
+    return Partial{base, base + group, base + 2 * group};
+  };
+
+  at::parallel_for(0, seqs * kv_heads * partitions, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t p = unit % partitions, h = (unit / partitions) % kv_heads, s = unit / (partitions * kv_heads);
+      const int64_t first = p * partition_blocks;
+      const int64_t last = std::min(first + partition_blocks, (lens[s] + block_size - 1) / block_size);
+      Partial part = partial(s, h, p);
+      if (first >= last) {  // this sequence is shorter than the partition: nothing to add
+        for (int64_t g = 0; g < group; ++g) part.max[g] = -std::numeric_limits<float>::infinity(), part.sum[g] = 0.f;
+        std::fill(part.acc, part.acc + group * head_dim, 0.f);
+        continue;
+      }
+      attend_partition<scalar_t>(q_data + (s * heads + h * group) * head_dim, k_cache, v_cache,
+                                 tables + s * max_blocks, first, last, lens[s], block_size, kv_heads, h,
+                                 head_dim, group, part);
+    }
+  });
+
+  // Merge the partitions of each (sequence, query head).
+  at::Tensor merged = at::empty({seqs, heads, head_dim}, q.options());
+  float* m_data = merged.data_ptr<float>();
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / kv_heads, h = unit % kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < partitions; ++p) best = std::max(best, partial(s, h, p).max[g]);
+        float total = 0.f;
+        float* dst = m_data + (s * heads + h * group + g) * head_dim;
+        std::fill(dst, dst + head_dim, 0.f);
+        for (int64_t p = 0; p < partitions; ++p) {
+          Partial part = partial(s, h, p);
+          if (part.sum[g] == 0.f) continue;
+          const float w = std::exp(part.max[g] - best);
+          total += part.sum[g] * w;
+          const float* acc = part.acc + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * acc[d];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
+      }
+    }
+  });
+  out.copy_(merged);
+}
+
+}  // namespace
+
+// query [seqs, heads, head_dim]; kv_cache [2, num_blocks, block_size, kv_heads, head_dim];
+// block_tables [seqs, max_blocks] int64 (padding ignored past each context); context_lens [seqs] int64.
+// Writes softmax(q K^T * scale) V of each sequence's first context_lens tokens into out [seqs, heads, head_dim].
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad query / kv_cache shapes");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "kv_cache, block_tables and context_lens must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4) && query.size(2) <= kMaxHeadDim, "head_dim mismatch or > 256");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(1) / kv_cache.size(3) <= kMaxGroup,
+              "query heads must be a multiple of KV heads, at most 16 per KV head");
+  TORCH_CHECK(kv_cache.size(2) <= kMaxBlockSize, "block_size must be <= 128");
+  TORCH_CHECK(partition_blocks > 0, "partition_blocks must be > 0");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat: decode_attention<float>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
+    case at::kBFloat16: decode_attention<c10::BFloat16>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
+    case at::kHalf: decode_attention<c10::Half>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
+    default: TORCH_CHECK(false, "kv_cache dtype must be float32, bfloat16 or float16");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+}

@@ -1,0 +1,88 @@
+"""pdserve's own C++ kernels (csrc/), compiled once per machine with torch's cpp_extension.
+
+`make install` builds them (`python -m pdserve.models.native`); a process that finds no build
+compiles them on first use. The build is cached under the pdserve cache, keyed by the source, the
+torch version and the CPU's flags: it is compiled for this CPU (-march=native), so a machine with
+other instructions builds its own. Without a C++ compiler (or with PDSERVE_KERNELS=portable) the
+engine keeps torch's SDPA over gathered blocks, which runs anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
+MODULE_NAME = "pdserve_native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    from pdserve.models.loader import cache_root
+
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    for part in (torch.__version__, sys.version, " ".join(CFLAGS), _cpu_flags()):
+        digest.update(part.encode())
+    return cache_root() / "kernels" / digest.hexdigest()[:16]
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary sits in the (maybe inactive) venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    paths = os.environ.get("PATH", "").split(os.pathsep)
+    if ninja.BIN_DIR not in paths:
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *paths])
+
+
+def build() -> ModuleType:
+    """Compile (or load the cached build of) the extension; raises if that is impossible."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return load(name=MODULE_NAME, sources=[str(s) for s in SOURCES], build_directory=str(directory),
+                extra_cflags=CFLAGS, verbose=False)
+
+
+@functools.cache
+def native_ops() -> ModuleType | None:
+    """The compiled kernels, or None (logged once) where they cannot be built here."""
+    try:
+        return build()
+    except Exception as exc:  # no compiler, no ninja, a failed build: the portable path still runs
+        logger.warning("pdserve's C++ decode attention is unavailable (%s); decode attention runs "
+                       "torch's SDPA over gathered blocks", str(exc).strip().splitlines()[-1] if str(exc) else exc)
+        return None
+
+
+if __name__ == "__main__":  # `make install`: build now, so that no node compiles at start
+    ops = build()
+    print(f"pdserve native kernels: {ops.__file__}")
