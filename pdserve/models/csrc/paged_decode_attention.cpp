@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -27,6 +29,27 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// exp(x) for x in [-87, 0] (a score minus its running max), relative error ~1e-7 like expf, written
+// so that a simd loop vectorizes it (libm's expf stays scalar without -ffast-math): Cody-Waite range
+// reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial, 2^n from the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
 // The softmax state of one (sequence, KV head, partition): per query head, max, sum and sum(p * V).
 struct Partial {
   float* max;  // [group]
@@ -34,53 +57,69 @@ struct Partial {
   float* acc;  // [group, head_dim]
 };
 
-template <typename scalar_t>
+// HEAD_DIM > 0: the head size known at compile time (64, 128), so that the inner loops unroll into
+// registers; 0: any head size, read from head_dim.
+template <typename scalar_t, int64_t HEAD_DIM>
 void attend_partition(const float* q,  // [group, head_dim], already scaled
                       const scalar_t* k_cache, const scalar_t* v_cache,  // [num_blocks, block_size, kv_heads, head_dim]
                       const int64_t* blocks, int64_t first_block, int64_t last_block, int64_t context_len,
                       int64_t block_size, int64_t kv_heads, int64_t kv_head, int64_t head_dim, int64_t group,
                       Partial out) {
-  const int64_t row_stride = kv_heads * head_dim;
+  const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
+  const int64_t row_stride = kv_heads * dim;
   const int64_t block_stride = block_size * row_stride;
   float scores[kMaxGroup][kMaxBlockSize];
+  float row[kMaxHeadDim];
   for (int64_t g = 0; g < group; ++g) {
     out.max[g] = -std::numeric_limits<float>::infinity();
     out.sum[g] = 0.f;
-    std::fill(out.acc + g * head_dim, out.acc + (g + 1) * head_dim, 0.f);
+    std::fill(out.acc + g * dim, out.acc + (g + 1) * dim, 0.f);
   }
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t rows = std::min(block_size, context_len - b * block_size);
     if (rows <= 0) break;
-    const scalar_t* k_block = k_cache + blocks[b] * block_stride + kv_head * head_dim;
-    const scalar_t* v_block = v_cache + blocks[b] * block_stride + kv_head * head_dim;
+    const scalar_t* k_block = k_cache + blocks[b] * block_stride + kv_head * dim;
+    const scalar_t* v_block = v_cache + blocks[b] * block_stride + kv_head * dim;
+    // Scores of the block's rows for every query head of the group (each K row read once).
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* k = k_block + r * row_stride;
-      float kf[kMaxHeadDim];
-      for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(k[d]);
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(k[d]);
       for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
+        const float* qg = q + g * dim;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
+        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
         scores[g][r] = dot;
       }
     }
+    // Online softmax: rescale each head's state to the new max once per block, then weights.
     for (int64_t g = 0; g < group; ++g) {
       float block_max = scores[g][0];
       for (int64_t r = 1; r < rows; ++r) block_max = std::max(block_max, scores[g][r]);
       const float new_max = std::max(out.max[g], block_max);
       const float correction = std::exp(out.max[g] - new_max);  // 0 on the first block (max = -inf)
-      out.sum[g] *= correction;
-      float* acc = out.acc + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = std::exp(scores[g][r] - new_max);
-        out.sum[g] += p;
-        const scalar_t* v = v_block + r * row_stride;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * to_float(v[d]);
-      }
       out.max[g] = new_max;
+      float* acc = out.acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
+      float* probs = scores[g];
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t r = 0; r < rows; ++r) {
+        probs[r] = exp_nonpositive(probs[r] - new_max);
+        block_sum += probs[r];
+      }
+      out.sum[g] = out.sum[g] * correction + block_sum;
+    }
+    // Weighted V rows (each V row read and converted once for the whole group).
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* v = v_block + r * row_stride;
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(v[d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g][r];
+        float* acc = out.acc + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[d] += p * row[d];
+      }
     }
   }
 }
@@ -120,9 +159,18 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
         std::fill(part.acc, part.acc + group * head_dim, 0.f);
         continue;
       }
-      attend_partition<scalar_t>(q_data + (s * heads + h * group) * head_dim, k_cache, v_cache,
-                                 tables + s * max_blocks, first, last, lens[s], block_size, kv_heads, h,
-                                 head_dim, group, part);
+      const float* q_group = q_data + (s * heads + h * group) * head_dim;
+      const int64_t* table = tables + s * max_blocks;
+      if (head_dim == 64) {
+        attend_partition<scalar_t, 64>(q_group, k_cache, v_cache, table, first, last, lens[s], block_size, kv_heads,
+                                       h, head_dim, group, part);
+      } else if (head_dim == 128) {
+        attend_partition<scalar_t, 128>(q_group, k_cache, v_cache, table, first, last, lens[s], block_size, kv_heads,
+                                        h, head_dim, group, part);
+      } else {
+        attend_partition<scalar_t, 0>(q_group, k_cache, v_cache, table, first, last, lens[s], block_size, kv_heads,
+                                      h, head_dim, group, part);
+      }
     }
   });
 
