@@ -1,8 +1,8 @@
 """Weight-only quantization of the projections, for decode: fewer weight bytes read per token.
 
 A decode step streams every weight once, so at small batch its time is weight bytes / memory
-bandwidth. int4 (groups of 32 along the input, a scale and an offset each: GGUF's Q4_1 layout) reads
-~1/7 of float32's bytes, int8 (one scale per output channel) ~1/4. torch's own CPU kernels do the
+bandwidth. int4 (groups of 32 along the input, a bf16 scale and offset each: GGUF's Q4_1 layout)
+reads 0.625 bytes a weight, ~1/6 of float32's; int8 (one scale per output channel) ~1/4. torch's own CPU kernels do the
 matmuls (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`); they take bfloat16 activations
 (float32 ones run a scalar path ~10x slower), so a small batch is cast to bf16 and back.
 
@@ -13,9 +13,10 @@ dequantized model (what a reference, transformers, must load to compare). Choosi
 by batch size, keeps a token's path independent of what it is batched with (up to 16 decodes): a
 decode node computes it as a colocated node does.
 
-A weight that came from GGUF's Q4_0/Q4_1 is recovered exactly: its groups hold their own minimum and
+A weight that came from GGUF's Q4_1 is recovered exactly: its groups hold their own minimum and
 maximum (q = 0 and q = 15), so min/max requantization gives back the file's codes. Only the group
-scale and offset are rounded to bf16 (the kernel's format): at most 2^-9 of their value.
+scale and offset are rounded to bf16 (the kernel's format): at most 2^-9 of their value. Q4_0 and
+Q4_K groups do not span their full code range, so `auto` requantizes them (within half a step).
 """
 
 from __future__ import annotations
