@@ -129,6 +129,28 @@ def test_int4_decodes_with_fewer_weight_bytes(llm_int4):
     assert model.lm_head.quantized.codes.dtype == torch.int8  # the output head stays 8-bit
 
 
+@pytest.mark.parametrize("kernels", ["auto", "portable"])
+def test_bf16_with_int4_matches_transformers_on_the_dequantized_weights(smollm_dir, llm_int4, kernels):
+    """int4 decode on a bf16 model (the default where the CPU has bf16 arithmetic): the dense path
+    runs bf16 weights, pre-packed for oneDNN on `auto` where oneDNN takes bf16 (so not readable
+    back: the float32 int4 model's dequantized weights, the same ones, are the reference's)."""
+    llm = LLM(str(smollm_dir), dtype="bfloat16", quantization="int4", kernels=kernels, kv_cache_memory_gib=0.05)
+    assert llm.engine.labels()["quantization"] == "int4"
+    reference = hf_with_weights_of(llm_int4)
+    agree = total = 0
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            expected = reference(torch.tensor([ids])).logits[0]
+        ours = pdserve_prompt_logits(llm, ids)
+        assert (ours - expected).abs().max() < 1.5, prompt  # bf16 weights and KV: as test_platform's bound
+        agree += int((ours.argmax(-1) == expected.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.9
+    outs = llm.generate([llm.tokenizer.encode(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16))
+    assert all(len(o.token_ids) == 16 for o in outs)
+
+
 # -- PD on the default (quantized) path ------------------------------------------------------------
 
 MODEL = "SmolLM2-135M-Instruct"
