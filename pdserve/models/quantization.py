@@ -21,14 +21,11 @@ Q4_K groups do not span their full code range, so `auto` requantizes them (withi
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import QUANTIZATIONS
-
-logger = logging.getLogger(__name__)
 
 INT4_GROUP = 32
 # Decodes per step up to which a layer runs its quantized kernel; above, the dense GEMM is faster
