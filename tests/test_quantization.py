@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import hf_with_weights_of
 from safetensors import safe_open
 from servers import Procs
-from test_model_vs_transformers import CHATS, PROMPTS, pdserve_prompt_logits
+from test_model_vs_transformers import CHATS, PROMPTS, assert_bf16_logits_close, pdserve_prompt_logits
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig, ModelConfig
@@ -136,17 +136,7 @@ def test_bf16_with_int4_matches_transformers_on_the_dequantized_weights(smollm_d
     back: the float32 int4 model's dequantized weights, the same ones, are the reference's)."""
     llm = LLM(str(smollm_dir), dtype="bfloat16", quantization="int4", kernels=kernels, kv_cache_memory_gib=0.05)
     assert llm.engine.labels()["quantization"] == "int4"
-    reference = hf_with_weights_of(llm_int4)
-    agree = total = 0
-    for prompt in PROMPTS:
-        ids = llm.tokenizer.encode(prompt)
-        with torch.inference_mode():
-            expected = reference(torch.tensor([ids])).logits[0]
-        ours = pdserve_prompt_logits(llm, ids)
-        assert (ours - expected).abs().max() < 1.5, prompt  # bf16 weights and KV: as test_platform's bound
-        agree += int((ours.argmax(-1) == expected.argmax(-1)).sum())
-        total += len(ids)
-    assert agree / total >= 0.9
+    assert_bf16_logits_close(llm, hf_with_weights_of(llm_int4))
     outs = llm.generate([llm.tokenizer.encode(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16))
     assert all(len(o.token_ids) == 16 for o in outs)
 

@@ -65,33 +65,27 @@ def read_bandwidth_gbs(repeats: int = 5) -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def streamed_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes a batch-1 decode step reads whole: the quantized codes of a quantized projection, else
-    its dense weight in `dtype` (the same parameters as streamed_params)."""
+def streamed_weights(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """Parameters and bytes a batch-1 decode step reads whole: every projection (the LM head
+    included, counted by shape since a pre-packed projection keeps no `weight`; its quantized codes'
+    bytes where it has them, else its weight in `dtype`) and norm. The embedding table is read one
+    row per token; tied to the LM head, it is counted as the LM head."""
     dense = torch.empty((), dtype=dtype).element_size()
-    total = 0
+    params = nbytes = 0
     for module in model.modules():
-        quantized = getattr(module, "quantized", None)
         if isinstance(module, torch.nn.Linear):
             weight = module.in_features * module.out_features
-            total += quantized.nbytes if quantized is not None else weight * dense
-            total += module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
+            quantized = getattr(module, "quantized", None)
+            params += weight
+            nbytes += quantized.nbytes if quantized is not None else weight * dense
+            if module.bias is not None:
+                params += module.bias.numel()
+                nbytes += module.bias.numel() * module.bias.element_size()
         elif not isinstance(module, torch.nn.Embedding):
-            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
-
-
-def streamed_params(model: torch.nn.Module) -> int:
-    """Parameters a decode step reads whole: every projection (the LM head included, counted by
-    shape since a pre-packed projection keeps no `weight`) and norm. The embedding table is read
-    one row per token; tied to the LM head, it is counted as the LM head."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            total += module.in_features * module.out_features + (module.bias.numel() if module.bias is not None else 0)
-        elif not isinstance(module, torch.nn.Embedding):
-            total += sum(p.numel() for p in module.parameters(recurse=False))
-    return total
+            for p in module.parameters(recurse=False):
+                params += p.numel()
+                nbytes += p.numel() * p.element_size()
+    return params, nbytes
 
 
 # -- pdserve ------------------------------------------------------------------------------------
@@ -125,8 +119,7 @@ def bench_pdserve(dtype: str, quantization: str, quick: bool) -> dict:
 
     # What a decode step must read: the weights, plus each sequence's KV at its context.
     model = llm.engine.model_runner.model
-    params = streamed_params(model)
-    weight_bytes = streamed_bytes(model, plan.torch_dtype)
+    params, weight_bytes = streamed_weights(model, plan.torch_dtype)
     result.update(read_bandwidth_gbs=bandwidth, streamed_params=params, weight_bytes=weight_bytes)
     result["weight_streaming_limit_tok_s"] = {f: bandwidth * 1e9 / (params * b) for f, b in WEIGHT_FORMATS.items()}
     kv = llm.engine.kv_spec.bytes_per_token

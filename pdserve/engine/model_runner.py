@@ -69,9 +69,9 @@ class ModelRunner:
                                  decode_kernel=self.decode_kernel)
         if self.decode_kernel is not None and decode_lens:  # one group: the kernel pads nothing
             meta.decode_groups.append(self._kernel_group(decode_tables, decode_lens))
-            return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
-        for start, end in decode_groups(decode_lens):
-            meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
+        else:
+            for start, end in decode_groups(decode_lens):
+                meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
 
     def _kernel_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:

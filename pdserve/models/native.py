@@ -19,24 +19,13 @@ from types import ModuleType
 
 import torch
 
+from pdserve.platform import CpuInfo
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def build_dir() -> Path:
@@ -45,7 +34,8 @@ def build_dir() -> Path:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    for part in (torch.__version__, sys.version, " ".join(CFLAGS), _cpu_flags()):
+    cpu = CpuInfo.detect()  # -march=native: another CPU needs its own build
+    for part in (torch.__version__, sys.version, " ".join(CFLAGS), cpu.model, " ".join(sorted(cpu.flags))):
         digest.update(part.encode())
     return cache_root() / "kernels" / digest.hexdigest()[:16]
 
@@ -81,4 +71,3 @@ def native_ops() -> ModuleType | None:
         logger.warning("pdserve's C++ decode attention is unavailable (%s); decode attention runs "
                        "torch's SDPA over gathered blocks", str(exc).strip().splitlines()[-1] if str(exc) else exc)
         return None
-
