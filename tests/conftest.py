@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from pdserve.models.loader import default_gguf_path, resolve_model_dir
+from pdserve.models.native import native_ops
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +35,13 @@ def llm_fp32(smollm_dir):
 
     # Unquantized: the GGUF's float weights, exactly what transformers loads (quantized: test_quantization).
     return LLM(str(smollm_dir), dtype="float32", quantization="none", kv_cache_memory_gib=0.25)
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """pdserve's C++ kernels (models/native.py); skipped where no compiler can build them."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine: the engine runs the portable torch path (tested everywhere)")
+    built = native_ops()
+    assert built is not None, "a C++ compiler is here, yet the kernels did not build (see the log)"
+    return built

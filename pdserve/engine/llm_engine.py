@@ -100,10 +100,12 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
             self.connector, self.kv_stats, kv.load_failure_policy,
         )
-        # Decode attention on pdserve's C++ kernel (blocks read in place) unless forced portable or
-        # it cannot be built here (no compiler): then SDPA over gathered blocks.
+        # Decode attention and the fused elementwise ops on pdserve's C++ kernels unless forced
+        # portable or they cannot be built here (no compiler): then torch ops, SDPA over gathered blocks.
         ops = native_ops() if self.plan.compiled else None
         self.attention = "native" if ops is not None else "sdpa"
+        if ops is not None:
+            model.use_native_kernels(ops)
         self.model_runner = ModelRunner(model, self.pool, config.device,
                                         ops.paged_decode_attention if ops is not None else None)
         self._seeds = torch.Generator().manual_seed(config.seed)

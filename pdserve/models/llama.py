@@ -1,12 +1,15 @@
 """One configurable Llama-family decoder: Llama / SmolLM2, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
 
 Q, K, V are one fused projection and so are gate and up: fewer kernel launches per step, which
-is most of the decode cost for a small model on a CPU.
+is most of the decode cost for a small model on a CPU. For the same reason the elementwise chains
+(residual add + norm, rotary embedding, SiLU * up) run as one C++ op each where pdserve's kernels
+are built (`use_native_kernels`); the torch expressions beside them are the portable path.
 """
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -78,18 +81,34 @@ class Linear(nn.Linear):
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; its output is cast to the dtype of the projections it feeds."""
 
+    native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.out_dtype: torch.dtype | None = None  # None: the input's dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x; with `residual` (the float32 residual stream), x is first added into it, in
+        place, and the sum is normalized."""
+        if residual is not None:
+            if self.native is not None:
+                out = torch.empty(residual.shape, dtype=self.out_dtype or residual.dtype, device=residual.device)
+                self.native.add_rms_norm(residual, x, self.weight, out, self.eps)
+                return out
+            x = residual.add_(x)
         out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return out.to(self.out_dtype or x.dtype)
 
 
+# Rotates [T, heads, head_dim] query / key heads (in place where it can) and returns them.
+Rotation = Callable[[torch.Tensor], torch.Tensor]
+
+
 class RotaryEmbedding(nn.Module):
+    native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
+
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
@@ -105,9 +124,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [T, 1, D] rotation of each position, looked up once per forward pass."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation of a forward pass's tokens at `positions`, for every layer."""
+        if self.native is not None and dtype in (torch.float32, torch.bfloat16):
+            def rotate(x: torch.Tensor) -> torch.Tensor:
+                self.native.rotary_embedding(x, positions, self.cos, self.sin)
+                return x
+            return rotate
+        # Portable: the [T, 1, D] tables, looked up once per forward pass.
+        cos, sin = self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return lambda x: apply_rope(x, cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,27 +154,32 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rotate: Rotation, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x, meta.num_decodes)
         num_tokens, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = apply_rope(qk, *rope)  # q and k heads rotated in one pass
+        qk = rotate(qk)  # q and k heads rotated in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1), meta.num_decodes)
 
 
 class MLP(nn.Module):
+    native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, decode_rows).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, decode_rows)
+        if self.native is not None:
+            return self.down_proj(self.native.silu_and_mul(gate_up), decode_rows)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, decode_rows)
 
 
@@ -160,9 +191,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x), meta.num_decodes)
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotate: Rotation, kv_cache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Adds the previous layer's output `delta` into the residual stream (in place, fused with
+        the norm) and returns this layer's output, which the next layer adds."""
+        h = self.input_layernorm(residual) if delta is None else self.input_layernorm(delta, residual)
+        h = self.self_attn(h, rotate, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(h, residual), meta.num_decodes)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,13 +225,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
-        x = self.embed_tokens(input_ids).float()
-        rope = self.rope.cos_sin(positions, self.embed_tokens.weight.dtype)
+        residual = self.embed_tokens(input_ids).float()
+        rotate = self.rope.rotation(positions, self.embed_tokens.weight.dtype)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_caches[i], meta)
+            delta = layer(residual, delta, rotate, kv_caches[i], meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        return self.norm(delta, residual)
 
     def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         return self.lm_head(hidden, decode_rows).float()
@@ -212,6 +248,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.float()
                 module.out_dtype = dtype
+
+    def use_native_kernels(self, ops: ModuleType) -> None:
+        """Run the elementwise chains on pdserve's C++ kernels (models/native.py)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.native = ops
 
     def quantize(self, method: str) -> dict[str, int]:
         """Quantize the projections to `method` (int4 | int8) and the output head to int8 (the

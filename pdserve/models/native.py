@@ -23,7 +23,9 @@ from pdserve.platform import CpuInfo
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp")]
+HEADERS = [CSRC / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"
 
@@ -32,7 +34,7 @@ def build_dir() -> Path:
     from pdserve.models.loader import cache_root
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     cpu = CpuInfo.detect()  # -march=native: another CPU needs its own build
     for part in (torch.__version__, sys.version, " ".join(CFLAGS), cpu.model, " ".join(sorted(cpu.flags))):

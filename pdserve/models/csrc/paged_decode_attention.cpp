@@ -9,7 +9,8 @@
 // Built for the machine it runs on (-march=native, cached per CPU in pdserve/models/native.py);
 // the SDPA path in attention.py stays the portable one.
 
-#include <torch/extension.h>
+#include "vec_math.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -21,34 +22,12 @@
 
 namespace {
 
+using pdserve::exp_nonpositive;
+using pdserve::to_float;
+
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxBlockSize = 128;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// exp(x) for x in [-87, 0] (a score minus its running max), relative error ~1e-7 like expf, written
-// so that a simd loop vectorizes it (libm's expf stays scalar without -ffast-math): Cody-Waite range
-// reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial, 2^n from the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r -= n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
 
 // The softmax state of one (sequence, KV head, partition): per query head, max, sum and sum(p * V).
 struct Partial {
@@ -226,8 +205,4 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     case at::kHalf: decode_attention<c10::Half>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
     default: TORCH_CHECK(false, "kv_cache dtype must be float32, bfloat16 or float16");
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
 }

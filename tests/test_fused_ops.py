@@ -1,0 +1,82 @@
+"""pdserve's fused elementwise C++ ops (models/csrc/fused_ops.cpp) against the torch expressions of
+the portable path, and their refusals of bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("delta_dtype", DTYPES + [None])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_add_rms_norm_equals_add_then_rms_norm(ops, out_dtype, delta_dtype, rows):
+    torch.manual_seed(rows)
+    residual = torch.randn(rows, 576) * 30  # the residual stream runs to tens
+    weight = torch.randn(576)
+    delta = None if delta_dtype is None else torch.randn(rows, 576).to(delta_dtype)
+    expected_residual = residual if delta is None else residual + delta.float()
+    expected = F.rms_norm(expected_residual, (576,), weight, 1e-5)
+    got_residual, out = residual.clone(), torch.empty(rows, 576, dtype=out_dtype)
+    ops.add_rms_norm(got_residual, delta, weight, out, 1e-5)
+    assert torch.equal(got_residual, expected_residual)  # the add is exact, and in place
+    torch.testing.assert_close(out.float(), expected.to(out_dtype).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_rotates_strided_heads_in_place(ops, dtype):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 10000.0, 4096)
+    qkv = torch.randn(5, 15, 64).to(dtype)  # 9 q + 3 k heads rotated, 3 v heads not
+    qk = qkv[:, :12]
+    positions = torch.tensor([0, 1, 17, 2048, 4095])
+    expected = apply_rope(qk.float(), rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
+    v_before = qkv[:, 12:].clone()
+    ops.rotary_embedding(qk, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(qk.float(), expected.to(dtype).float(), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(qkv[:, 12:], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_torch(ops, dtype):
+    torch.manual_seed(1)
+    gate_up = (torch.randn(7, 2 * 1536) * 8).to(dtype)  # wide enough for both tails of the sigmoid
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(dtype)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                               atol=1e-5)
+
+
+def test_model_modules_take_the_native_path_only_when_told(ops):
+    """The modules' two paths agree; the native one updates the residual stream in place too."""
+    torch.manual_seed(2)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    residual, delta = torch.randn(3, 64), torch.randn(3, 64)
+    portable_residual = residual.clone()
+    expected = norm(delta, portable_residual)
+    norm.native = ops
+    native_residual = residual.clone()
+    got = norm(delta, native_residual)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(native_residual, portable_residual)
+    torch.testing.assert_close(native_residual, residual + delta)
+
+
+def test_ops_refuse_bad_input_with_a_message(ops):
+    cos = sin = torch.zeros(16, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        ops.rotary_embedding(torch.zeros(1, 2, 8), torch.tensor([16]), cos, sin)
+    with pytest.raises(RuntimeError, match="positions must be contiguous int64"):
+        ops.rotary_embedding(torch.zeros(1, 2, 8), torch.tensor([1], dtype=torch.int32), cos, sin)
+    with pytest.raises(RuntimeError, match="residual must be contiguous float32"):
+        ops.add_rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), None, torch.ones(8), torch.zeros(2, 8), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be contiguous float32 of the rows' size"):
+        ops.add_rms_norm(torch.zeros(2, 8), None, torch.ones(4), torch.zeros(2, 8), 1e-6)
+    with pytest.raises(RuntimeError, match="gate_up must be contiguous"):
+        ops.silu_and_mul(torch.zeros(2, 7))
