@@ -28,6 +28,7 @@ using pdserve::to_float;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxBlockSize = 128;
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead prefetch_block asks (measured: 1 and 4 were slower)
 
 // The softmax state of one (sequence, KV head, partition): per query head, max, sum and sum(p * V).
 struct Partial {
@@ -35,6 +36,21 @@ struct Partial {
   float* sum;  // [group]
   float* acc;  // [group, head_dim]
 };
+
+// Asks for the next block's K and V rows of this head while the current block is computed: blocks
+// lie anywhere in the pool and the rows of one head are strided, so the hardware prefetcher does
+// not run ahead, and a cold cache (every layer's KV, every step) left compute waiting on memory.
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int64_t offset, int64_t rows,
+                           int64_t row_stride, int64_t dim) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);  // elements per cache line
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < dim; d += kLine) {
+      __builtin_prefetch(k_cache + offset + r * row_stride + d);
+      __builtin_prefetch(v_cache + offset + r * row_stride + d);
+    }
+  }
+}
 
 // HEAD_DIM > 0: the head size known at compile time (64, 128), so that the inner loops unroll into
 // registers; 0: any head size, read from head_dim.
@@ -59,6 +75,8 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
     if (rows <= 0) break;
     const scalar_t* k_block = k_cache + blocks[b] * block_stride + kv_head * dim;
     const scalar_t* v_block = v_cache + blocks[b] * block_stride + kv_head * dim;
+    if (b + kPrefetchBlocks < last_block) prefetch_block(k_cache, v_cache, blocks[b + kPrefetchBlocks] * block_stride + kv_head * dim,
+                                           block_size, row_stride, dim);
     // Scores of the block's rows for every query head of the group (each K row read once).
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* k = k_block + r * row_stride;
