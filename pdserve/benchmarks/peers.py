@@ -18,25 +18,27 @@ SETUPS = (("pdserve-colocated", "pdserve, colocated x2"), ("vllm-colocated", "vL
 
 def markdown(folder: Path, rates: list[str]) -> str:
     lines = [
-        f"Command: `bash benchmarks/peers/vllm_cpu.sh` ({time.strftime('%Y-%m-%d')}; bf16; one core per instance; "
-        "pdserve's proxy in front of both systems; `pdserve bench --dataset mixed` (90 % 128->128, 10 % 2048->64), "
-        "SLOs ttft:3000 tpot:80 ms).",
+        f"Command: `bash benchmarks/peers/vllm_cpu.sh` (table written {time.strftime('%Y-%m-%d')}; each row's run "
+        "date in its last column; vLLM bf16, pdserve's defaults since 2026-11-30 (bf16 before); one core per "
+        "instance; pdserve's proxy in front of both systems; `pdserve bench --dataset mixed` (90 % 128->128, "
+        "10 % 2048->64), SLOs ttft:3000 tpot:80 ms).",
         "",
         "| setup | rate (req/s) | done | throughput (req/s) | output (tok/s) | TTFT p50 / p99 (ms) | "
-        "TPOT p50 / p99 (ms) | SLO attainment |",
-        "|---|---|---|---|---|---|---|---|",
+        "TPOT p50 / p99 (ms) | SLO attainment | run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, label in SETUPS:
         for rate in rates:
             path = folder / f"{key}-rate{rate}.json"
             if not path.exists():
-                lines.append(f"| {label} | {rate} | not run | | | | | |")
+                lines.append(f"| {label} | {rate} | not run | | | | | | |")
                 continue
             r = json.loads(path.read_text())
             lines.append(
                 f"| {label} | {rate} | {r['completed']}/{r['completed'] + r['failed']} | {r['request_throughput']:.2f} | "
                 f"{r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
-                f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | {r.get('slo_attainment', 0) * 100:.0f} % |")
+                f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | {r.get('slo_attainment', 0) * 100:.0f} % | "
+                f"{r.get('date', '')[:10]} |")
     return "\n".join(lines)
 
 
