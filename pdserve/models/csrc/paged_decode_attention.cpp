@@ -75,36 +75,19 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
     if (rows <= 0) break;
     const scalar_t* k_block = k_cache + blocks[b] * block_stride + kv_head * dim;
     const scalar_t* v_block = v_cache + blocks[b] * block_stride + kv_head * dim;
-    if (b + kPrefetchBlocks < last_block) prefetch_block(k_cache, v_cache, blocks[b + kPrefetchBlocks] * block_stride + kv_head * dim,
-                                           block_size, row_stride, dim);
-    // Scores of the block's rows for every query head of the group, four rows at a time: four
-    // independent sums hide the FMA latency that one dot product at a time waited on.
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      const scalar_t* k0 = k_block + r * row_stride;
-      const scalar_t* k1 = k0 + row_stride;
-      const scalar_t* k2 = k1 + row_stride;
-      const scalar_t* k3 = k2 + row_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * dim;
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t d = 0; d < dim; ++d) {
-          s0 += qg[d] * to_float(k0[d]);
-          s1 += qg[d] * to_float(k1[d]);
-          s2 += qg[d] * to_float(k2[d]);
-          s3 += qg[d] * to_float(k3[d]);
-        }
-        scores[g][r] = s0, scores[g][r + 1] = s1, scores[g][r + 2] = s2, scores[g][r + 3] = s3;
-      }
+    if (b + kPrefetchBlocks < last_block) {
+      prefetch_block(k_cache, v_cache, blocks[b + kPrefetchBlocks] * block_stride + kv_head * dim, block_size,
+                     row_stride, dim);
     }
-    for (; r < rows; ++r) {
+    // Scores of the block's rows for every query head of the group (each K row read once).
+    for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* k = k_block + r * row_stride;
+      for (int64_t d = 0; d < dim; ++d) row[d] = to_float(k[d]);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * dim;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(k[d]);
+        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
         scores[g][r] = dot;
       }
     }
