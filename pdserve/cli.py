@@ -134,6 +134,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.plan.profile import ProfilePoints, describe, run_profile
+
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
+    config = engine_config_from_args(args)
+    profile = run_profile(config, ProfilePoints.quick() if args.quick else ProfilePoints.full(), args.seed)
+    profile.save(out)
+    print(describe(profile))
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.benchmarks.serving import main as bench_main
 
@@ -225,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_guard_args(up)
     up.set_defaults(func=cmd_up)
+
+    profile = sub.add_parser("profile", help="measure this machine's engine and fit a cost model (for planning)")
+    add_engine_args(profile)
+    profile.add_argument("--quick", action="store_true", help="fewer points: about a minute and a half")
+    profile.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    profile.add_argument("--seed", type=int, default=0, help="seed of the random token prompts")
+    profile.set_defaults(func=cmd_profile)
 
     bench = sub.add_parser("bench", help="online serving benchmark against any OpenAI-compatible server")
     bench.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

@@ -21,8 +21,9 @@ from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup
 
 
-def one_start(dtype: str) -> dict:
-    node = Child.on_free_port("node", ["serve", "--dtype", dtype, "--threads", "1"], log_path=os.devnull)
+def one_start(dtype: str, model: str | None = None) -> dict:
+    args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
+    node = Child.on_free_port("node", args, log_path=os.devnull)
     with ProcessGroup(stop_grace_s=30) as group:
         start = time.perf_counter()
         group.start(node)

@@ -40,6 +40,12 @@ def pool_shape(num_blocks: int) -> tuple[int, ...]:
     return (LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
 
 
+def pin_to(core: int) -> None:
+    """P and D on different cores, as nodes would be; a machine without that core keeps its affinity."""
+    if core in os.sched_getaffinity(0):
+        os.sched_setaffinity(0, {core})
+
+
 def block_layouts(mib: int) -> tuple[int, dict[str, list[int]]]:
     """(pool blocks, {layout: P's block ids}) for moving `mib` MiB; the same in both processes."""
     block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 2
@@ -52,7 +58,7 @@ def serve_blocks(mib: int, repeats: int) -> None:
 
     A separate interpreter (not multiprocessing), so it has its own shared-memory tracker as a
     real prefill node would."""
-    os.sched_setaffinity(0, {0})
+    pin_to(0)
     total, layouts = block_layouts(mib)
     pool = KVPool(pool_shape(total), DTYPE, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(pool.shape).to(DTYPE))
@@ -71,7 +77,7 @@ def serve_blocks(mib: int, repeats: int) -> None:
 
 
 def bench_backends(mib: int, repeats: int) -> dict:
-    os.sched_setaffinity(0, {1})
+    pin_to(1)
     total, layouts = block_layouts(mib)
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.benchmarks.transfer", "--serve-blocks",
                              "--mib", str(mib), "--repeats", str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -1,0 +1,220 @@
+"""`pdserve profile`: measure this machine's engine and fit a cost model to each cost.
+
+    pdserve profile [--model M] [--quick] [--threads 1] --out profile.json
+
+- prefill: the time of each chunk a prompt is prefilled in, against its tokens and the tokens
+  before it, for several prompt lengths and chunk sizes (the scheduler's token budget). Model:
+  chunk = a + b * tokens + c * tokens * (context before + tokens / 2), the last term the pairs that
+  causal attention scores;
+- decode: the time of one decode step against the batch size and the context it reads. Model:
+  step = a + b * seqs + c * kv_tokens (the KV the step reads, summed over its sequences);
+- KV transfer: the time to pull a request's blocks from another process, per transport, against
+  bytes. Model: transfer = latency + bytes / bandwidth;
+- start-up: a node process from start to its first 200 on /health.
+
+Each fit reports its mean and worst relative error on the samples it was fitted on. `--quick`
+measures fewer points (about a minute and a half here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.benchmarks.engine import random_prompts
+from pdserve.benchmarks.startup import one_start
+from pdserve.benchmarks.transfer import bench_backends
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.transport import TRANSPORTS
+from pdserve.plan.fit import LinearFit, fit_linear
+from pdserve.platform import CpuInfo
+from pdserve.sampling_params import SamplingParams
+
+PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
+DECODE_FEATURES = ["one", "seqs", "kv_tokens"]
+TRANSFER_FEATURES = ["one", "bytes"]
+
+
+@dataclass
+class ProfilePoints:
+    """What to measure: the full profile, or --quick."""
+
+    prompt_lens: list[int]
+    chunk_sizes: list[int]
+    decode_batches: list[int]
+    decode_contexts: list[int]
+    decode_steps: int
+    max_decode_kv_tokens: int  # skip (batch, context) points whose prefill would cost more
+    transfer_mib: list[int]
+    startup_runs: int
+
+    @classmethod
+    def full(cls) -> ProfilePoints:
+        return cls([64, 256, 512, 1024, 2048, 4096], [256, 512, 2048], [1, 2, 4, 8, 16, 32], [128, 512, 2048, 4096],
+                   16, 32768, [4, 16, 64], 3)
+
+    @classmethod
+    def quick(cls) -> ProfilePoints:
+        return cls([128, 512, 1024], [256, 1024], [1, 8], [128, 1024], 6, 8192, [4, 16], 1)
+
+
+@dataclass
+class Profile:
+    meta: dict
+    prefill_chunk: LinearFit
+    decode_step: LinearFit
+    transfer: dict[str, LinearFit]  # transport -> fit
+    startup_s: float
+    samples: dict = field(default_factory=dict)  # the raw measurements each fit was made on
+
+    def prefill_time(self, prompt_tokens: int, chunk_size: int, cached_tokens: int = 0) -> float:
+        """Predicted seconds to prefill a prompt in chunks of `chunk_size` after `cached_tokens`."""
+        total, done = 0.0, cached_tokens
+        while done < prompt_tokens:
+            n = min(chunk_size, prompt_tokens - done)
+            total += self.prefill_chunk.predict(chunk_features(n, done))
+            done += n
+        return total
+
+    def decode_step_time(self, seqs: int, kv_tokens: int) -> float:
+        return self.decode_step.predict({"seqs": seqs, "kv_tokens": kv_tokens})
+
+    def transfer_time(self, transport: str, nbytes: int) -> float:
+        return self.transfer[transport].predict({"bytes": nbytes})
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        return cls(data["meta"], LinearFit.from_dict(data["prefill_chunk"]), LinearFit.from_dict(data["decode_step"]),
+                   {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
+                   data.get("samples", {}))
+
+
+def chunk_features(tokens: int, context_before: int) -> dict[str, float]:
+    return {"tokens": tokens, "attention_pairs": tokens * (context_before + tokens / 2)}
+
+
+def _run_timed(engine: LLMEngine) -> list[tuple[float, list]]:
+    """Step the engine until idle; (seconds, what was scheduled) per step that ran the model."""
+    steps = []
+    while engine.has_unfinished_requests():
+        scheduled = engine.scheduler.schedule()
+        start = time.perf_counter()
+        sampled = engine.model_runner.run(scheduled)
+        elapsed = time.perf_counter() - start
+        engine.scheduler.update_from_output(scheduled, sampled)
+        if scheduled.scheduled:
+            steps.append((elapsed, [(s.num_new_tokens, s.request.num_computed_tokens - s.num_new_tokens)
+                                    for s in scheduled.scheduled]))
+    return steps
+
+
+def measure_prefill(engine: LLMEngine, points: ProfilePoints, seed: int) -> list[dict]:
+    samples = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for chunk in points.chunk_sizes:
+        engine.scheduler.max_num_batched_tokens = chunk
+        for length in points.prompt_lens:
+            if length >= engine.max_model_len:
+                continue
+            seed += 1
+            engine.add_request(random_prompts(1, length, seed)[0], params)
+            for elapsed, batch in _run_timed(engine):
+                (tokens, before), = batch
+                samples.append({"tokens": tokens, "context_before": before, "chunk_size": chunk,
+                                "prompt_tokens": length, "seconds": elapsed})
+    return samples
+
+
+def measure_decode(engine: LLMEngine, points: ProfilePoints, seed: int) -> list[dict]:
+    samples = []
+    for context in points.decode_contexts:
+        for batch in points.decode_batches:
+            if batch * context > points.max_decode_kv_tokens or context + points.decode_steps >= engine.max_model_len:
+                continue
+            # All prompts in one prefill step, so that the batch then decodes together.
+            engine.scheduler.max_num_batched_tokens = batch * context
+            seed += 1
+            params = SamplingParams(max_tokens=points.decode_steps + 1, temperature=0.0, ignore_eos=True)
+            for prompt in random_prompts(batch, context, seed):
+                engine.add_request(prompt, params)
+            for elapsed, scheduled in _run_timed(engine):
+                if len(scheduled) == batch and all(n == 1 for n, _ in scheduled):  # a step of only decodes
+                    samples.append({"seqs": batch, "kv_tokens": sum(before + 1 for _, before in scheduled),
+                                    "context": context, "seconds": elapsed})
+    return samples
+
+
+def measure_transfers(points: ProfilePoints) -> list[dict]:
+    samples = []
+    affinity = os.sched_getaffinity(0)
+    try:
+        for mib in points.transfer_mib:
+            res = bench_backends(mib, repeats=3)
+            for transport in TRANSPORTS:
+                gbps = res[f"{transport}_scattered_gbps"]
+                samples.append({"transport": transport, "bytes": res["bytes"], "seconds": res["bytes"] / gbps / 1e9})
+    finally:
+        os.sched_setaffinity(0, affinity)  # the transfer benchmark pins this process to one core
+    return samples
+
+
+def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> Profile:
+    engine = LLMEngine(config)
+    try:
+        prefill = measure_prefill(engine, points, seed)
+        decode = measure_decode(engine, points, seed + 1000)
+        labels = engine.labels()
+        model = engine.model_dir.name
+    finally:
+        engine.close()
+    transfers = measure_transfers(points)
+    startups = [one_start(config.dtype, config.model)["startup_s"] for _ in range(points.startup_runs)]
+
+    prefill_fit = fit_linear([chunk_features(s["tokens"], s["context_before"]) for s in prefill],
+                             [s["seconds"] for s in prefill], PREFILL_FEATURES)
+    decode_fit = fit_linear(decode, [s["seconds"] for s in decode], DECODE_FEATURES)
+    transfer_fits = {}
+    for transport in TRANSPORTS:
+        rows = [s for s in transfers if s["transport"] == transport]
+        transfer_fits[transport] = fit_linear(rows, [s["seconds"] for s in rows], TRANSFER_FEATURES)
+    cpu = CpuInfo.detect()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "engine": labels,
+            "block_size": config.block_size, "quick": points == ProfilePoints.quick(),
+            "models": {"prefill_chunk": "a + b * tokens + c * tokens * (context_before + tokens / 2)",
+                       "decode_step": "a + b * seqs + c * kv_tokens", "transfer": "latency + bytes / bandwidth"}}
+    return Profile(meta, prefill_fit, decode_fit, transfer_fits, statistics.median(startups),
+                   {"prefill": prefill, "decode": decode, "transfer": transfers, "startup_s": startups})
+
+
+def describe(profile: Profile) -> str:
+    """What a person reads after `pdserve profile`: each fit and its error."""
+    p, d = profile.prefill_chunk, profile.decode_step
+    lines = [f"profile of {profile.meta['model']} on {profile.meta['cpu']} ({profile.meta['isa']}, "
+             f"{profile.meta['threads']} thread(s), {profile.meta['engine'].get('dtype')}, "
+             f"quantization {profile.meta['engine'].get('quantization')})"]
+    lines.append(f"  prefill chunk = {p.coefficients[0] * 1e3:.2f} ms + {p.coefficients[1] * 1e6:.1f} us/token + "
+                 f"{p.coefficients[2] * 1e9:.3f} ns/attention pair   (error mean {p.mean_rel_error:.1%}, "
+                 f"max {p.max_rel_error:.1%}, {p.samples} chunks)")
+    lines.append(f"  decode step   = {d.coefficients[0] * 1e3:.2f} ms + {d.coefficients[1] * 1e3:.2f} ms/seq + "
+                 f"{d.coefficients[2] * 1e6:.2f} us/KV token   (error mean {d.mean_rel_error:.1%}, "
+                 f"max {d.max_rel_error:.1%}, {d.samples} steps)")
+    for transport, f in profile.transfer.items():
+        bandwidth = 1 / f.coefficients[1] / 1e9 if f.coefficients[1] > 0 else float("inf")
+        lines.append(f"  transfer {transport:4s} = {f.coefficients[0] * 1e3:.2f} ms + bytes / {bandwidth:.2f} GB/s   "
+                     f"(error mean {f.mean_rel_error:.1%}, max {f.max_rel_error:.1%})")
+    lines.append(f"  node start-up = {profile.startup_s:.1f} s")
+    lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
+                 f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""`pdserve profile`: the least-squares cost models, and a real quick profile of the embedded model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.plan.fit import fit_linear
+from pdserve.plan.profile import Profile
+
+
+def test_fit_recovers_a_known_linear_cost_and_reports_its_error():
+    rows = [{"seqs": b, "kv_tokens": b * c} for b in (1, 2, 4, 8) for c in (100, 1000)]
+    times = [0.02 + 0.001 * r["seqs"] + 2e-6 * r["kv_tokens"] for r in rows]
+    fit = fit_linear(rows, times, ["one", "seqs", "kv_tokens"])
+    assert fit.coefficients == pytest.approx([0.02, 0.001, 2e-6], rel=1e-6)
+    assert fit.max_rel_error < 1e-9
+    assert fit.predict({"seqs": 3, "kv_tokens": 3000}) == pytest.approx(0.02 + 0.003 + 0.006)
+    noisy = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(times)]  # +-10 %: the error shows it (the fit absorbs some)
+    assert 0.02 < fit_linear(rows, noisy, ["one", "seqs", "kv_tokens"]).mean_rel_error <= 0.10
+
+
+def test_fit_refuses_too_few_samples_and_bad_times():
+    with pytest.raises(ValueError, match="need at least 3 samples"):
+        fit_linear([{"x": 1.0}], [1.0], ["one", "x", "y"])
+    with pytest.raises(ValueError, match="must be > 0"):
+        fit_linear([{"x": 1.0}, {"x": 2.0}], [1.0, 0.0], ["one", "x"])
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory, smollm_dir):
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--model", str(smollm_dir), "--quick",
+                           "--threads", "1", "--quantization", "none", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_profile):
+    out, stdout = quick_profile
+    profile = Profile.load(out)
+    assert "decode step" in stdout and "prefill chunk" in stdout and f"wrote {out}" in stdout
+    assert profile.meta["quick"] is True and profile.meta["engine"]["quantization"] == "none"
+    samples = profile.samples
+    # Every planned point ran: 3 prompt lengths x 2 chunk sizes, decodes at 3 (batch, context) points.
+    assert {(s["prompt_tokens"], s["chunk_size"]) for s in samples["prefill"]} == {
+        (n, c) for n in (128, 512, 1024) for c in (256, 1024)}
+    assert {(s["seqs"], s["context"]) for s in samples["decode"]} == {(1, 128), (8, 128), (1, 1024), (8, 1024)}
+    assert set(profile.transfer) == {s["transport"] for s in samples["transfer"]} == {"tcp", "shm"}
+    assert profile.startup_s > 0
+    # A chunk of 512 after 512 tokens costs more than one of 512 alone (attention).
+    assert profile.prefill_chunk.predict({"tokens": 512, "attention_pairs": 512 * (512 + 256)}) > \
+        profile.prefill_chunk.predict({"tokens": 512, "attention_pairs": 512 * 256})
+    # Decode: more sequences and more context cost more; fits within 35 % of their own samples on average.
+    assert profile.decode_step_time(8, 8 * 1024) > profile.decode_step_time(1, 1024)
+    for fit in (profile.prefill_chunk, profile.decode_step):
+        assert fit.mean_rel_error < 0.35, fit
+    data = json.loads(out.read_text())
+    assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples"}
+
+
+def test_profile_cli_names_a_bad_argument():
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--quick", "--out", "/no/such/dir/p.json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "directory /no/such/dir does not exist" in proc.stderr
