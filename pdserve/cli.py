@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = sub.add_parser("profile", help="measure this machine's engine and fit a cost model (for planning)")
     add_engine_args(profile)
-    profile.add_argument("--quick", action="store_true", help="fewer points: about a minute and a half")
+    profile.add_argument("--quick", action="store_true", help="fewer points: under a minute here")
     profile.add_argument("--out", required=True, help="where to write the profile (JSON)")
     profile.add_argument("--seed", type=int, default=0, help="seed of the random token prompts")
     profile.set_defaults(func=cmd_profile)

@@ -13,7 +13,7 @@
 - start-up: a node process from start to its first 200 on /health.
 
 Each fit reports its mean and worst relative error on the samples it was fitted on. `--quick`
-measures fewer points (about a minute and a half here).
+measures fewer points (under a minute here).
 """
 
 from __future__ import annotations
