@@ -150,10 +150,47 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.benchmarks.serving import publish_run, workload_from_args
+    from pdserve.plan.profile import Profile
+    from pdserve.plan.simulator import Setup, simulate
+
+    setup = Setup.parse(args.setup)
+    if not Path(args.profile).is_file():
+        raise ValueError(f"--profile {args.profile}: no such file (make one with `pdserve profile --out ...`)")
+    slos, rate, requests = workload_from_args(args)
+    summary = simulate(Profile.load(args.profile), setup, requests, rate, args.burstiness, args.seed, slos,
+                       args.policy, args.kv_transport)
+    summary["profile"] = args.profile
+    publish_run(summary, args)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.benchmarks.serving import main as bench_main
 
     return bench_main(args)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload of `pdserve bench` (and of `pdserve simulate`, which replays the same requests)."""
+    parser.add_argument("--dataset", default="random", help="random | mixed | path to a ShareGPT JSON file")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +- this fraction")
+    parser.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long documents")
+    parser.add_argument("--short-input-len", type=int, default=128)
+    parser.add_argument("--short-output-len", type=int, default=128)
+    parser.add_argument("--long-input-len", type=int, default=2048)
+    parser.add_argument("--long-output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
 
 
 def add_guard_args(parser: argparse.ArgumentParser) -> None:
@@ -249,26 +286,21 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--seed", type=int, default=0, help="seed of the random token prompts")
     profile.set_defaults(func=cmd_profile)
 
+    simulate = sub.add_parser("simulate", help="predict a bench run on a setup from a profile (no model runs)")
+    simulate.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
+    simulate.add_argument("--setup", required=True, help="colocated:N | pull:xPyD | push:xPyD")
+    simulate.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    simulate.add_argument("--kv-transport", default="shm", choices=list(TRANSPORTS))
+    add_workload_args(simulate)
+    simulate.add_argument("--out", default=None, help="write the results as JSON here (pdserve bench's fields)")
+    simulate.set_defaults(func=cmd_simulate)
+
     bench = sub.add_parser("bench", help="online serving benchmark against any OpenAI-compatible server")
     bench.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     bench.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     bench.add_argument("--model", default=None, help="model name to send (default: the server's choice)")
-    bench.add_argument("--dataset", default="random", help="random | mixed | path to a ShareGPT JSON file")
-    bench.add_argument("--input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=128)
-    bench.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +- this fraction")
-    bench.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long documents")
-    bench.add_argument("--short-input-len", type=int, default=128)
-    bench.add_argument("--short-output-len", type=int, default=128)
-    bench.add_argument("--long-input-len", type=int, default=2048)
-    bench.add_argument("--long-output-len", type=int, default=64)
-    bench.add_argument("--num-prompts", type=int, default=100)
-    bench.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
-    bench.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    add_workload_args(bench)
     bench.add_argument("--max-concurrency", type=int, default=None)
-    bench.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--plot", default=None, help="write TTFT / TPOT CDFs as a PNG here (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)

@@ -347,6 +347,31 @@ def server_engines(url: str) -> list[dict]:
 
 def main(args) -> int:
     """Entry point of `pdserve bench` (arguments parsed by pdserve.cli)."""
+    slos, rate, requests = workload_from_args(args)
+    results, duration = asyncio.run(run_benchmark(args.base_url.rstrip("/"), requests, args.endpoint, args.model,
+                                                  rate, args.burstiness, args.max_concurrency, args.seed))
+    summary = summarize(results, duration, slos)
+    summary["engines"] = server_engines(args.base_url.rstrip("/"))
+    summary.update({"base_url": args.base_url, "endpoint": args.endpoint, "max_concurrency": args.max_concurrency})
+    publish_run(summary, args)
+    if args.plot:
+        plot(summary, args.plot)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def publish_run(summary: dict, args) -> None:
+    """Add the workload flags and the date to a run's summary, print it, write it to --out."""
+    summary.update({"dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+                    "burstiness": args.burstiness, "seed": args.seed, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    print(report(summary))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+
+
+def workload_from_args(args) -> tuple[dict[str, float], float, list[BenchRequest]]:
+    """(SLOs, request rate, the requests) from the workload flags (cli.add_workload_args);
+    ValueError names a bad flag."""
     slos = parse_goodput(args.goodput)
     rate = float("inf") if str(args.request_rate) == "inf" else float(args.request_rate)
     if rate <= 0:
@@ -356,7 +381,7 @@ def main(args) -> int:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     tokenizer = None
-    if args.dataset not in ("random", "mixed") or args.endpoint == "chat":
+    if args.dataset not in ("random", "mixed") or getattr(args, "endpoint", "completions") == "chat":
         from pdserve.models.loader import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
 
@@ -370,21 +395,7 @@ def main(args) -> int:
         if not Path(args.dataset).is_file():
             raise ValueError(f"--dataset {args.dataset!r} is neither random, mixed nor a ShareGPT JSON file")
         requests = sharegpt_dataset(args.dataset, args.num_prompts, args.seed, tokenizer)
-    if args.endpoint == "chat":
+    if getattr(args, "endpoint", "completions") == "chat":
         requests = as_text(requests, tokenizer)
-    results, duration = asyncio.run(run_benchmark(args.base_url.rstrip("/"), requests, args.endpoint, args.model,
-                                                  rate, args.burstiness, args.max_concurrency, args.seed))
-    summary = summarize(results, duration, slos)
-    summary["engines"] = server_engines(args.base_url.rstrip("/"))
-    summary.update({"base_url": args.base_url, "endpoint": args.endpoint, "dataset": args.dataset,
-                    "num_prompts": args.num_prompts, "request_rate": args.request_rate,
-                    "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
-                    "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-    print(report(summary))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=2))
-    if args.plot:
-        plot(summary, args.plot)
-    return 0 if summary["failed"] == 0 else 1
+    return slos, rate, requests
 

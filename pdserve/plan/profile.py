@@ -19,6 +19,7 @@ measures fewer points (under a minute here).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -36,6 +37,8 @@ from pdserve.kv.transport import TRANSPORTS
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.platform import CpuInfo
 from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 DECODE_FEATURES = ["one", "seqs", "kv_tokens"]
@@ -105,14 +108,15 @@ def chunk_features(tokens: int, context_before: int) -> dict[str, float]:
 
 
 def _run_timed(engine: LLMEngine) -> list[tuple[float, list]]:
-    """Step the engine until idle; (seconds, what was scheduled) per step that ran the model."""
+    """Step the engine until idle; (seconds, what was scheduled) per step that ran the model. A step
+    is timed whole, as the engine loop runs it: schedule, forward and sample, update and detokenize."""
     steps = []
     while engine.has_unfinished_requests():
-        scheduled = engine.scheduler.schedule()
         start = time.perf_counter()
+        scheduled = engine.scheduler.schedule()
         sampled = engine.model_runner.run(scheduled)
-        elapsed = time.perf_counter() - start
         engine.scheduler.update_from_output(scheduled, sampled)
+        elapsed = time.perf_counter() - start
         if scheduled.scheduled:
             steps.append((elapsed, [(s.num_new_tokens, s.request.num_computed_tokens - s.num_new_tokens)
                                     for s in scheduled.scheduled]))
@@ -138,9 +142,15 @@ def measure_prefill(engine: LLMEngine, points: ProfilePoints, seed: int) -> list
 
 def measure_decode(engine: LLMEngine, points: ProfilePoints, seed: int) -> list[dict]:
     samples = []
+    capacity = engine.block_manager.num_blocks * engine.config.block_size
     for context in points.decode_contexts:
         for batch in points.decode_batches:
+            tokens = batch * (context + points.decode_steps + engine.config.block_size)  # + a partial block each
             if batch * context > points.max_decode_kv_tokens or context + points.decode_steps >= engine.max_model_len:
+                continue
+            if tokens > capacity:  # the batch would not fit the KV pool together: say so, measure the rest
+                logger.warning("decode point %d x %d skipped: needs %d KV tokens, the pool holds %d "
+                               "(raise --kv-cache-memory)", batch, context, tokens, capacity)
                 continue
             # All prompts in one prefill step, so that the batch then decodes together.
             engine.scheduler.max_num_batched_tokens = batch * context
@@ -176,6 +186,11 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         decode = measure_decode(engine, points, seed + 1000)
         labels = engine.labels()
         model = engine.model_dir.name
+        # What the simulator needs of the node besides the costs: its KV and its limits.
+        node = {"kv_bytes_per_token": engine.kv_spec.bytes_per_token, "num_layers": engine.kv_spec.num_layers,
+                "kv_capacity_tokens": engine.block_manager.num_blocks * config.block_size,
+                "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+                "block_size": config.block_size}
     finally:
         engine.close()
     transfers = measure_transfers(points)
@@ -191,7 +206,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     cpu = CpuInfo.detect()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "engine": labels,
-            "block_size": config.block_size, "quick": points == ProfilePoints.quick(),
+            "node": node, "quick": points == ProfilePoints.quick(),
             "models": {"prefill_chunk": "a + b * tokens + c * tokens * (context_before + tokens / 2)",
                        "decode_step": "a + b * seqs + c * kv_tokens", "transfer": "latency + bytes / bandwidth"}}
     return Profile(meta, prefill_fit, decode_fit, transfer_fits, statistics.median(startups),

@@ -1,0 +1,94 @@
+"""The discrete-event simulator on a profile with known costs: each modelled rule, checked by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.benchmarks.serving import BenchRequest
+from pdserve.plan.fit import LinearFit
+from pdserve.plan.profile import Profile
+from pdserve.plan.simulator import Setup, simulate
+
+KV_BYTES = 1000  # per token
+
+
+def known_profile(capacity: int = 100_000, budget: int = 512) -> Profile:
+    """Prefill chunk: 10 ms + 1 ms/token; decode step: 20 ms + 5 ms/seq + 0.01 ms/KV token;
+    transfer: 2 ms + 1 ms per MB (shm)."""
+    def fit(features, coefficients):
+        return LinearFit(features, coefficients, 0.0, 0.0, 10)
+
+    node = {"kv_bytes_per_token": KV_BYTES, "num_layers": 10, "kv_capacity_tokens": capacity,
+            "max_num_batched_tokens": budget, "max_num_seqs": 64, "block_size": 16}
+    return Profile({"node": node}, fit(["one", "tokens", "attention_pairs"], [0.010, 0.001, 0.0]),
+                   fit(["one", "seqs", "kv_tokens"], [0.020, 0.005, 1e-5]),
+                   {"shm": fit(["one", "bytes"], [0.002, 1e-9])}, 5.0)
+
+
+def run(setup: str, requests, rate=float("inf"), profile=None, **kwargs) -> dict:
+    return simulate(profile or known_profile(), Setup.parse(setup), requests, rate, 1.0, 0, {"ttft_ms": 1000}, **kwargs)
+
+
+def test_setups_parse_and_bad_ones_are_named():
+    assert Setup.parse("colocated:2") == Setup("colocated", 0, 2)
+    assert Setup.parse("pull:1P3D") == Setup("pull", 1, 3)
+    for bad in ("colocated:0", "pull:1P", "push:0P1D", "mixed:1P1D", "pull"):
+        with pytest.raises(ValueError, match="expected colocated:N, pull:xPyD or push:xPyD"):
+            Setup.parse(bad)
+
+
+def test_one_request_colocated_costs_its_prefill_chunks_then_its_decode_steps():
+    summary = run("colocated:1", [BenchRequest([0], 1000, 3)])
+    # 1000 tokens in chunks of 512 and 488: (10 + 512) + (10 + 488) ms; then decode steps at 1001 and 1002 KV tokens.
+    assert summary["ttfts"][0] == pytest.approx(1.020)
+    assert summary["itls"][0] == pytest.approx([0.020 + 0.005 + 1001e-5, 0.020 + 0.005 + 1002e-5])
+    assert summary["completed"] == 1 and summary["slo_attainment"] == 0.0  # TTFT 1020 ms > 1000 ms
+
+
+def test_pull_adds_the_transfer_and_the_decode_nodes_recompute_of_the_last_token():
+    colocated = run("colocated:1", [BenchRequest([0], 100, 2)])
+    pull = run("pull:1P1D", [BenchRequest([0], 100, 2)])
+    transfer = 0.002 + 100 * KV_BYTES * 1e-9
+    recompute = 0.010 + 0.001  # a one-token prefill chunk on D
+    assert pull["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + transfer + recompute)
+    push = run("push:1P1D", [BenchRequest([0], 100, 2)])  # only the last of 10 layers follows the prefill
+    assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + 10 * KV_BYTES * 1e-9 + recompute)
+
+
+def test_under_load_every_request_finishes_and_more_decoders_cut_tpot():
+    requests = [BenchRequest([0], 200, 100) for _ in range(40)]
+    one = run("pull:1P1D", requests, rate=20.0)
+    three = run("pull:1P3D", requests, rate=20.0)
+    assert one["completed"] == three["completed"] == 40 and one["failed"] == 0
+    assert three["median_tpot_ms"] < one["median_tpot_ms"]
+    both = run("colocated:2", requests, rate=20.0, policy="least_loaded")
+    assert both["completed"] == 40
+
+
+def test_a_request_larger_than_the_kv_pool_fails_instead_of_hanging():
+    summary = run("colocated:1", [BenchRequest([0], 50, 10), BenchRequest([0], 500, 10)], profile=known_profile(capacity=200))
+    assert summary["completed"] == 1 and summary["failed"] == 1
+    assert summary["errors"][1] == "does not fit the KV pool of any node"
+
+
+def test_simulate_cli_writes_benchs_fields(tmp_path):
+    profile = known_profile()
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "simulate", "--profile", str(path), "--setup", "push:1P2D",
+                           "--dataset", "mixed", "--num-prompts", "20", "--request-rate", "2", "--goodput", "tpot:80",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Median TTFT (ms)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["completed"] == 20 and data["setup"] == "push:1P2D" and data["simulated"] is True
+    for key in ("median_ttft_ms", "p99_tpot_ms", "request_throughput", "slo_attainment"):
+        assert key in data
+    bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "simulate", "--profile", str(path), "--setup", "pull:3"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--setup 'pull:3'" in bad.stderr
