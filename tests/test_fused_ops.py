@@ -35,10 +35,14 @@ def test_rotary_embedding_rotates_strided_heads_in_place(ops, dtype):
     qkv = torch.randn(5, 15, 64).to(dtype)  # 9 q + 3 k heads rotated, 3 v heads not
     qk = qkv[:, :12]
     positions = torch.tensor([0, 1, 17, 2048, 4095])
-    expected = apply_rope(qk.float(), rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
+    # The portable path's expression, in the model's dtype (so with its roundings, as transformers has them).
+    expected = apply_rope(qk, rope.cos[positions].unsqueeze(1).to(dtype), rope.sin[positions].unsqueeze(1).to(dtype))
     v_before = qkv[:, 12:].clone()
     ops.rotary_embedding(qk, positions, rope.cos, rope.sin)
-    torch.testing.assert_close(qk.float(), expected.to(dtype).float(), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    if dtype == torch.bfloat16:
+        assert torch.equal(qk, expected)  # the same roundings, op by op
+    else:
+        torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, 12:], v_before)
 
 
@@ -46,10 +50,14 @@ def test_rotary_embedding_rotates_strided_heads_in_place(ops, dtype):
 def test_silu_and_mul_equals_torch(ops, dtype):
     torch.manual_seed(1)
     gate_up = (torch.randn(7, 2 * 1536) * 8).to(dtype)  # wide enough for both tails of the sigmoid
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    expected = (F.silu(gate) * up).to(dtype)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2,
-                               atol=1e-5)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up  # in the model's dtype, as the portable path computes it
+    got = ops.silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:  # our exp and torch's may round a few silu values to neighbouring bf16s
+        assert (got != expected).float().mean() < 0.01
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_model_modules_take_the_native_path_only_when_told(ops):

@@ -2,7 +2,10 @@
 // rotary embedding in place, SiLU(gate) * up. At decode batch sizes each torch op is a few
 // microseconds of dispatch for a few hundred floats of work, and a layer ran about twenty of them.
 //
-// Math is float32 whatever the storage type; results are rounded once, to the output's dtype.
+// Math is float32. Norm results are rounded once to the output's dtype, as the torch path (which
+// normalizes in float32) does. Rotary embedding and SiLU * up round like the torch expressions they
+// replace, op by op (a bf16 product is rounded to bf16): computed in float32 instead, a bf16 model's
+// greedy answer moved away from transformers' at a near-tie.
 
 #include "vec_math.h"
 
@@ -11,6 +14,7 @@
 namespace {
 
 using pdserve::from_float;
+using pdserve::rounded;
 using pdserve::to_float;
 
 template <typename in_t, typename out_t>
@@ -60,9 +64,11 @@ void rotate_rows(scalar_t* data, int64_t tokens, int64_t heads, int64_t token_st
         scalar_t* x = data + t * token_stride + h * head_stride;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
+          // x * cos + rotate_half(x) * sin, with the torch expression's roundings (the tables too).
+          const float ci = rounded<scalar_t>(c[i]), si = rounded<scalar_t>(s[i]);
           const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-          from_float(x1 * c[i] - x2 * s[i], x + i);
-          from_float(x2 * c[i] + x1 * s[i], x + i + half);
+          from_float(rounded<scalar_t>(x1 * ci) - rounded<scalar_t>(x2 * si), x + i);
+          from_float(rounded<scalar_t>(x2 * ci) + rounded<scalar_t>(x1 * si), x + i + half);
         }
       }
     }
@@ -77,7 +83,9 @@ void silu_and_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int
       const scalar_t* u = g + dim;
       scalar_t* o = out + r * dim;
 #pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) from_float(pdserve::silu(to_float(g[i])) * to_float(u[i]), o + i);
+      for (int64_t i = 0; i < dim; ++i) {
+        from_float(rounded<scalar_t>(pdserve::silu(to_float(g[i]))) * to_float(u[i]), o + i);  // silu(g), then * u
+      }
     }
   });
 }

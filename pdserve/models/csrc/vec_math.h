@@ -37,6 +37,15 @@ inline void from_float(float x, float* out) { *out = x; }
 inline void from_float(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }  // round to nearest even
 inline void from_float(float x, c10::Half* out) { *out = c10::Half(x); }
 
+// x as stored in scalar_t and read back: where a kernel must round like the torch expression it
+// replaces (each bf16 op's result is rounded to bf16), it rounds its intermediates with this.
+template <typename scalar_t>
+inline float rounded(float x) {
+  scalar_t stored;
+  from_float(x, &stored);
+  return to_float(stored);
+}
+
 // x * sigmoid(x): exp of -|x| only, so exp_nonpositive covers both signs.
 inline float silu(float x) {
   const float e = exp_nonpositive(-std::abs(x));
