@@ -46,9 +46,9 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     assert "decode step" in stdout and "prefill chunk" in stdout and f"wrote {out}" in stdout
     assert profile.meta["quick"] is True and profile.meta["engine"]["quantization"] == "none"
     samples = profile.samples
-    # Every planned point ran: 3 prompt lengths x 2 chunk sizes, decodes at 3 (batch, context) points.
+    # Every planned point ran: 4 prompt lengths x 2 chunk sizes, decodes at 4 (batch, context) points.
     assert {(s["prompt_tokens"], s["chunk_size"]) for s in samples["prefill"]} == {
-        (n, c) for n in (128, 512, 1024) for c in (256, 1024)}
+        (n, c) for n in (16, 128, 512, 1024) for c in (256, 1024)}
     assert {(s["seqs"], s["context"]) for s in samples["decode"]} == {(1, 128), (8, 128), (1, 1024), (8, 1024)}
     assert set(profile.transfer) == {s["transport"] for s in samples["transfer"]} == {"tcp", "shm"}
     assert profile.startup_s > 0

@@ -47,7 +47,8 @@ TRANSFER_FEATURES = ["one", "bytes"]
 
 @dataclass
 class ProfilePoints:
-    """What to measure: the full profile, or --quick."""
+    """What to measure: the full profile, or --quick. A short prompt in each pins the per-chunk
+    constant, which longer chunks alone leave to trade off against the per-token term."""
 
     prompt_lens: list[int]
     chunk_sizes: list[int]
@@ -60,12 +61,12 @@ class ProfilePoints:
 
     @classmethod
     def full(cls) -> ProfilePoints:
-        return cls([64, 256, 512, 1024, 2048, 4096], [256, 512, 2048], [1, 2, 4, 8, 16, 32], [128, 512, 2048, 4096],
+        return cls([16, 64, 256, 512, 1024, 2048, 4096], [256, 512, 2048], [1, 2, 4, 8, 16, 32], [128, 512, 2048, 4096],
                    16, 32768, [4, 16, 64], 3)
 
     @classmethod
     def quick(cls) -> ProfilePoints:
-        return cls([128, 512, 1024], [256, 1024], [1, 8], [128, 1024], 6, 8192, [4, 16], 1)
+        return cls([16, 128, 512, 1024], [256, 1024], [1, 8], [128, 1024], 6, 8192, [4, 16], 1)
 
 
 @dataclass
@@ -182,6 +183,10 @@ def measure_transfers(points: ProfilePoints) -> list[dict]:
 def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> Profile:
     engine = LLMEngine(config)
     try:
+        # Warm up first: the first forward passes pay one-off costs (allocations, kernel set-up)
+        # that measured the first 16-token prefill at twice the next one.
+        engine.add_request(random_prompts(1, 64, seed - 1)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        _run_timed(engine)
         prefill = measure_prefill(engine, points, seed)
         decode = measure_decode(engine, points, seed + 1000)
         labels = engine.labels()
