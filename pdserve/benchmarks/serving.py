@@ -381,7 +381,8 @@ def workload_from_args(args) -> tuple[dict[str, float], float, list[BenchRequest
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     tokenizer = None
-    if args.dataset not in ("random", "mixed") or getattr(args, "endpoint", "completions") == "chat":
+    chat = getattr(args, "endpoint", "completions") == "chat"  # `pdserve simulate` has no endpoint
+    if args.dataset not in ("random", "mixed") or chat:
         from pdserve.models.loader import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
 
@@ -395,7 +396,7 @@ def workload_from_args(args) -> tuple[dict[str, float], float, list[BenchRequest
         if not Path(args.dataset).is_file():
             raise ValueError(f"--dataset {args.dataset!r} is neither random, mixed nor a ShareGPT JSON file")
         requests = sharegpt_dataset(args.dataset, args.num_prompts, args.seed, tokenizer)
-    if getattr(args, "endpoint", "completions") == "chat":
+    if chat:
         requests = as_text(requests, tokenizer)
     return slos, rate, requests
 

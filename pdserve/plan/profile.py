@@ -83,9 +83,12 @@ class Profile:
         total, done = 0.0, cached_tokens
         while done < prompt_tokens:
             n = min(chunk_size, prompt_tokens - done)
-            total += self.prefill_chunk.predict(chunk_features(n, done))
+            total += self.prefill_chunk_time(n, done)
             done += n
         return total
+
+    def prefill_chunk_time(self, tokens: int, context_before: int) -> float:
+        return self.prefill_chunk.predict(chunk_features(tokens, context_before))
 
     def decode_step_time(self, seqs: int, kv_tokens: int) -> float:
         return self.decode_step.predict({"seqs": seqs, "kv_tokens": kv_tokens})
@@ -141,9 +144,18 @@ def measure_prefill(engine: LLMEngine, points: ProfilePoints, seed: int) -> list
     return samples
 
 
-def measure_decode(engine: LLMEngine, points: ProfilePoints, seed: int) -> list[dict]:
+def node_limits(engine: LLMEngine) -> dict:
+    """What the simulator needs of a node besides its costs: its KV and its batching limits."""
+    config = engine.config
+    return {"kv_bytes_per_token": engine.kv_spec.bytes_per_token, "num_layers": engine.kv_spec.num_layers,
+            "kv_capacity_tokens": engine.block_manager.num_blocks * config.block_size,
+            "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+            "block_size": config.block_size}
+
+
+def measure_decode(engine: LLMEngine, points: ProfilePoints, seed: int, capacity: int) -> list[dict]:
+    """`capacity`: KV tokens the pool holds (a batch that does not fit it is skipped)."""
     samples = []
-    capacity = engine.block_manager.num_blocks * engine.config.block_size
     for context in points.decode_contexts:
         for batch in points.decode_batches:
             tokens = batch * (context + points.decode_steps + engine.config.block_size)  # + a partial block each
@@ -183,19 +195,15 @@ def measure_transfers(points: ProfilePoints) -> list[dict]:
 def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> Profile:
     engine = LLMEngine(config)
     try:
+        node = node_limits(engine)
         # Warm up first: the first forward passes pay one-off costs (allocations, kernel set-up)
         # that measured the first 16-token prefill at twice the next one.
         engine.add_request(random_prompts(1, 64, seed - 1)[0], SamplingParams(max_tokens=4, ignore_eos=True))
         _run_timed(engine)
         prefill = measure_prefill(engine, points, seed)
-        decode = measure_decode(engine, points, seed + 1000)
+        decode = measure_decode(engine, points, seed + 1000, node["kv_capacity_tokens"])
         labels = engine.labels()
         model = engine.model_dir.name
-        # What the simulator needs of the node besides the costs: its KV and its limits.
-        node = {"kv_bytes_per_token": engine.kv_spec.bytes_per_token, "num_layers": engine.kv_spec.num_layers,
-                "kv_capacity_tokens": engine.block_manager.num_blocks * config.block_size,
-                "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
-                "block_size": config.block_size}
     finally:
         engine.close()
     transfers = measure_transfers(points)

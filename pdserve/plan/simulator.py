@@ -132,8 +132,7 @@ class SimNode:
         if not decodes and not chunks:
             return  # the head of the queue waits for KV to be freed
         p = self.sim.profile
-        seconds = sum(p.prefill_chunk.predict({"tokens": n, "attention_pairs": n * (j.context + j.prefilled + n / 2)})
-                      for j, n in chunks)
+        seconds = sum(p.prefill_chunk_time(n, j.context + j.prefilled) for j, n in chunks)
         if decodes:
             seconds += p.decode_step_time(len(decodes), sum(j.kv_tokens for j in decodes))  # the fed token included
         self.busy = True
