@@ -145,11 +145,12 @@ def measure_prefill(engine: LLMEngine, points: ProfilePoints, seed: int) -> list
 
 
 def node_limits(engine: LLMEngine) -> dict:
-    """What the simulator needs of a node besides its costs: its KV and its batching limits."""
+    """What the simulator needs of a node besides its costs: its KV and its batching limits (the
+    token budget the scheduler runs with: without chunked prefill, at least max_model_len)."""
     config = engine.config
     return {"kv_bytes_per_token": engine.kv_spec.bytes_per_token, "num_layers": engine.kv_spec.num_layers,
             "kv_capacity_tokens": engine.block_manager.num_blocks * config.block_size,
-            "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
             "block_size": config.block_size}
 
 
