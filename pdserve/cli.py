@@ -153,9 +153,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pdserve.benchmarks.serving import publish_run, workload_from_args
+    from pdserve.benchmarks.serving import publish_run
     from pdserve.plan.profile import Profile
     from pdserve.plan.simulator import Setup, simulate
+    from pdserve.workload import workload_from_args
 
     setup = Setup.parse(args.setup)
     if not Path(args.profile).is_file():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from servers import start_pdserve
 
-from pdserve.benchmarks.serving import (
+from pdserve.platform import plan_kernels
+from pdserve.workload import (
     RequestResult,
     arrival_gaps,
     mixed_dataset,
@@ -18,7 +19,6 @@ from pdserve.benchmarks.serving import (
     random_dataset,
     summarize,
 )
-from pdserve.platform import plan_kernels
 
 
 def test_goodput_parsing():

@@ -13,7 +13,7 @@ import openai
 import pytest
 from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
 
-from pdserve.benchmarks.procinfo import alive, children
+from pdserve.procinfo import alive, children
 from pdserve.procs import ProcessGroup, up_child
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from pdserve.benchmarks.serving import BenchRequest
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
 from pdserve.plan.simulator import Setup, simulate
+from pdserve.workload import BenchRequest
 
 KV_BYTES = 1000  # per token
 

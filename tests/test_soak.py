@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from pdserve.benchmarks.procinfo import alive
+from pdserve.procinfo import alive
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

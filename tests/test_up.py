@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 from servers import free_port
 
-from pdserve.benchmarks.procinfo import alive
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
+from pdserve.procinfo import alive
 from pdserve.procs import ProcessGroup, up_child
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}

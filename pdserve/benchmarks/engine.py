@@ -30,9 +30,10 @@ import time
 
 import torch
 
-from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
 from pdserve.platform import CPU_ENV, CpuInfo
+from pdserve.procinfo import rss_mib
+from pdserve.workload import random_prompts
 
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
@@ -42,11 +43,6 @@ STEP_CONTEXTS = (32, 256, 1024, 2048, 4096)  # decode step time against context,
 BANDWIDTH_MIB = 512  # a buffer well past the last-level cache
 # Weight bytes per parameter of each format: the floor of a batch-1 decode step is streaming them.
 WEIGHT_FORMATS = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int4": 0.5}
-
-
-def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1000, 40000, (n, length), generator=g).tolist()
 
 
 def peak_rss_mib() -> float:

@@ -9,109 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
-SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
-
-
-@dataclass
-class BenchRequest:
-    prompt: str | list[int]  # text, or token ids (completions only)
-    input_len: int
-    output_len: int
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    input_len: int
-    output_len: int = 0
-    ttft_ms: float = 0.0
-    e2el_ms: float = 0.0
-    itls_ms: list[float] = field(default_factory=list)
-    error: str = ""
-    start: float = 0.0  # seconds since the run began
-    stages_ms: dict[str, float] = field(default_factory=dict)  # pdserve's x-pdserve-*-ms headers, if any
-
-    @property
-    def tpot_ms(self) -> float:
-        return (self.e2el_ms - self.ttft_ms) / (self.output_len - 1) if self.output_len > 1 else 0.0
-
-
-# -- datasets -----------------------------------------------------------------------------------
-
-
-def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
-    return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
-
-
-def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                   vocab: tuple[int, int] = (1000, 40000)) -> list[BenchRequest]:
-    """Prompts of random token ids: exact lengths on any server with the same vocabulary."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = _lengths(rng, input_len, range_ratio)
-        out.append(BenchRequest([rng.randrange(*vocab) for _ in range(length)], length,
-                                _lengths(rng, output_len, range_ratio)))
-    return out
-
-
-def mixed_dataset(n: int, seed: int, long_fraction: float = 0.1, short: tuple[int, int] = (128, 128),
-                  long: tuple[int, int] = (2048, 64)) -> list[BenchRequest]:
-    """Many short chat turns and some long documents (seeded), e.g. 90 % 128->128, 10 % 2048->64."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        inp, outp = long if rng.random() < long_fraction else short
-        out.extend(random_dataset(1, inp, outp, 0.0, seed * 100_003 + i))
-    return out
-
-
-def sharegpt_dataset(path: str, n: int, seed: int, tokenizer) -> list[BenchRequest]:
-    """First human turn as the prompt, the first reply's length as the output length."""
-    data = json.loads(Path(path).read_text())
-    rng = random.Random(seed)
-    rng.shuffle(data)
-    out = []
-    for item in data:
-        turns = item.get("conversations") or []
-        if len(turns) < 2:
-            continue
-        prompt, reply = str(turns[0].get("value", "")), str(turns[1].get("value", ""))
-        input_len, output_len = len(tokenizer.encode(prompt)), len(tokenizer.encode(reply))
-        if input_len < 4 or output_len < 4:
-            continue
-        out.append(BenchRequest(prompt, input_len, output_len))
-        if len(out) == n:
-            break
-    if not out:
-        raise ValueError(f"{path}: no usable ShareGPT conversations")
-    return out
-
-
-def as_text(requests: list[BenchRequest], tokenizer) -> list[BenchRequest]:
-    """Token-id prompts decoded to text (the chat endpoint takes text only)."""
-    return [BenchRequest(tokenizer.decode(r.prompt) if isinstance(r.prompt, list) else r.prompt, r.input_len,
-                         r.output_len) for r in requests]
-
+from pdserve.workload import BenchRequest, RequestResult, arrival_gaps, summarize, workload_from_args
 
 # -- sending ------------------------------------------------------------------------------------
-
-
-def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Gaps between arrivals: gamma with mean 1/rate (burstiness 1 = Poisson); 0 for rate=inf."""
-    if rate == float("inf"):
-        return [0.0] * n
-    rng = np.random.default_rng(seed)
-    return list(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n))
 
 
 async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: str | None, req: BenchRequest,
@@ -218,67 +125,6 @@ async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, m
 # -- metrics ------------------------------------------------------------------------------------
 
 
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """`ttft:500 tpot:50 e2el:3000` -> {"ttft_ms": 500, ...}; ValueError naming a bad item."""
-    slos: dict[str, float] = {}
-    for item in items or []:
-        key, _, value = item.partition(":")
-        if key not in SLO_KEYS:
-            raise ValueError(f"--goodput {item!r}: the metric must be one of {sorted(SLO_KEYS)}")
-        try:
-            slos[SLO_KEYS[key]] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
-        if slos[SLO_KEYS[key]] <= 0:
-            raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
-    return slos
-
-
-def meets(result: RequestResult, slos: dict[str, float]) -> bool:
-    return result.ok and all(getattr(result, key) <= limit for key, limit in slos.items())
-
-
-def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
-    done = [r for r in results if r.ok]
-    out: dict = {
-        "duration": duration,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "total_input_tokens": sum(r.input_len for r in done),
-        "total_output_tokens": sum(r.output_len for r in done),
-        "request_throughput": len(done) / duration if duration else 0.0,
-        "output_throughput": sum(r.output_len for r in done) / duration if duration else 0.0,
-        "total_token_throughput": sum(r.input_len + r.output_len for r in done) / duration if duration else 0.0,
-    }
-    series = {
-        "ttft": [r.ttft_ms for r in done],
-        "tpot": [r.tpot_ms for r in done if r.output_len > 1],
-        "itl": [x for r in done for x in r.itls_ms],
-        "e2el": [r.e2el_ms for r in done],
-    }
-    for name, values in series.items():
-        arr = np.array(values) if values else np.zeros(1)
-        out[f"mean_{name}_ms"] = float(arr.mean())
-        out[f"median_{name}_ms"] = float(np.median(arr))
-        out[f"std_{name}_ms"] = float(arr.std())
-        for p in (90, 99):
-            out[f"p{p}_{name}_ms"] = float(np.percentile(arr, p))
-    if slos:
-        good = sum(meets(r, slos) for r in results)
-        out["goodput_slos_ms"] = slos
-        out["request_goodput"] = good / duration if duration else 0.0
-        out["slo_attainment"] = good / len(results) if results else 0.0
-    out["input_lens"] = [r.input_len for r in results]
-    out["output_lens"] = [r.output_len for r in results]
-    out["ttfts"] = [r.ttft_ms / 1e3 for r in results]
-    out["itls"] = [[x / 1e3 for x in r.itls_ms] for r in results]
-    out["start_times"] = [r.start for r in results]
-    out["e2els"] = [r.e2el_ms / 1e3 for r in results]
-    out["stages_ms"] = [r.stages_ms for r in results]
-    out["errors"] = [r.error for r in results]
-    return out
-
-
 def report(summary: dict) -> str:
     lines = [
         f"{'Successful requests:':<40}{summary['completed']:>12}",
@@ -368,35 +214,4 @@ def publish_run(summary: dict, args) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(summary, indent=2))
 
-
-def workload_from_args(args) -> tuple[dict[str, float], float, list[BenchRequest]]:
-    """(SLOs, request rate, the requests) from the workload flags (cli.add_workload_args);
-    ValueError names a bad flag."""
-    slos = parse_goodput(args.goodput)
-    rate = float("inf") if str(args.request_rate) == "inf" else float(args.request_rate)
-    if rate <= 0:
-        raise ValueError("--request-rate must be > 0 or inf")
-    if args.burstiness <= 0:
-        raise ValueError("--burstiness must be > 0")
-    if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be >= 1")
-    tokenizer = None
-    chat = getattr(args, "endpoint", "completions") == "chat"  # `pdserve simulate` has no endpoint
-    if args.dataset not in ("random", "mixed") or chat:
-        from pdserve.models.loader import resolve_model_dir
-        from pdserve.models.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer(resolve_model_dir(args.tokenizer))
-    if args.dataset == "random":
-        requests = random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
-    elif args.dataset == "mixed":
-        requests = mixed_dataset(args.num_prompts, args.seed, args.long_fraction,
-                                 (args.short_input_len, args.short_output_len), (args.long_input_len, args.long_output_len))
-    else:
-        if not Path(args.dataset).is_file():
-            raise ValueError(f"--dataset {args.dataset!r} is neither random, mixed nor a ShareGPT JSON file")
-        requests = sharegpt_dataset(args.dataset, args.num_prompts, args.seed, tokenizer)
-    if chat:
-        requests = as_text(requests, tokenizer)
-    return slos, rate, requests
 

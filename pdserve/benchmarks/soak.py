@@ -18,12 +18,13 @@ import time
 
 import httpx
 
-from pdserve.benchmarks.procinfo import alive, children, rss_mib
 from pdserve.benchmarks.push import metric_sum
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import random_dataset, run_benchmark
+from pdserve.benchmarks.serving import run_benchmark
 from pdserve.platform import plan_kernels
+from pdserve.procinfo import alive, children, rss_mib
 from pdserve.procs import ProcessGroup, up_child
+from pdserve.workload import random_dataset
 
 MAX_RSS_GROWTH = 0.05
 BLOCK_METRICS = ("pdserve:kv_blocks_used", "pdserve:kv_blocks_held")

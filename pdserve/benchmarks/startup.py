@@ -10,27 +10,13 @@ section of `docs/benchmarks.md`.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-from pdserve.benchmarks.procinfo import rss_mib
 from pdserve.benchmarks.report import publish
 from pdserve.models.loader import resolve_model_dir
+from pdserve.plan.measure import one_start
 from pdserve.platform import plan_kernels
-from pdserve.procs import Child, ProcessGroup
-
-
-def one_start(dtype: str, model: str | None = None) -> dict:
-    args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
-    node = Child.on_free_port("node", args, log_path=os.devnull)
-    with ProcessGroup(stop_grace_s=30) as group:
-        start = time.perf_counter()
-        group.start(node)
-        group.wait_ready([node], 600, poll_s=0.05)
-        ready_s = time.perf_counter() - start
-        time.sleep(1.0)
-        return {"startup_s": ready_s, "idle_rss_mib": rss_mib(node.proc.pid)}
 
 
 def main() -> None:

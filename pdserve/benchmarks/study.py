@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import mixed_dataset, random_dataset, run_benchmark, summarize
+from pdserve.benchmarks.serving import run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, up_child
+from pdserve.workload import mixed_dataset, random_dataset, summarize
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128
 CHUNK_BUDGET = 256

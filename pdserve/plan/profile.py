@@ -28,15 +28,14 @@ from pathlib import Path
 
 import torch
 
-from pdserve.benchmarks.engine import random_prompts
-from pdserve.benchmarks.startup import one_start
-from pdserve.benchmarks.transfer import bench_backends
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS
 from pdserve.plan.fit import LinearFit, fit_linear
+from pdserve.plan.measure import bench_backends, one_start
 from pdserve.platform import CpuInfo
 from pdserve.sampling_params import SamplingParams
+from pdserve.workload import random_prompts
 
 logger = logging.getLogger(__name__)
 

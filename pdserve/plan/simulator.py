@@ -13,7 +13,7 @@ What it models, as pdserve does it:
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for
   each chunk; transfers: the profile's fit for the transport.
 
-It returns the fields `pdserve bench --out` writes (benchmarks/serving.py: summarize), so a
+It returns the fields `pdserve bench --out` writes (pdserve/workload.py: summarize), so a
 simulated and a measured run compare key by key.
 """
 
@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdserve.benchmarks.serving import BenchRequest, RequestResult, arrival_gaps, summarize
 from pdserve.plan.profile import Profile
+from pdserve.workload import BenchRequest, RequestResult, arrival_gaps, summarize
 
 MODES = ("colocated", "pull", "push")
 POLICIES = ("round_robin", "least_loaded")
@@ -223,7 +223,7 @@ class Proxy:
 
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
              seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm") -> dict:
-    """The summary `pdserve bench` would write for this workload on this setup (benchmarks/serving.py)."""
+    """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py)."""
     sim = Simulation(profile)
     proxy = Proxy(sim, setup, policy, transport)
     trackers: list[Tracker] = []

@@ -1,0 +1,133 @@
+"""Measurements a profile and the benchmarks share: KV transfer bandwidth per transport, node start-up.
+
+`bench_backends` moves a SmolLM2-shaped set of blocks (bf16, 30 layers, 16-token blocks) between
+two processes with the real connector code: P (`python -m pdserve.plan.measure`, holding the
+blocks) and D (the caller), over each transport, contiguous and scattered; memcpy is the same
+segments copied within one process. `one_start` times `pdserve serve` from start to healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.pool import KVPool, RemotePool
+from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
+from pdserve.kv.results import TransferInbox
+from pdserve.kv.stats import KVStats
+from pdserve.kv.transport import TRANSPORTS, Transports
+from pdserve.procinfo import rss_mib
+from pdserve.procs import Child, ProcessGroup
+
+LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
+
+
+def pool_shape(num_blocks: int) -> tuple[int, ...]:
+    return (LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+
+
+def pin_to(core: int) -> None:
+    """P and D on different cores, as nodes would be; a machine without that core keeps its affinity."""
+    if core in os.sched_getaffinity(0):
+        os.sched_setaffinity(0, {core})
+
+
+def block_layouts(mib: int) -> tuple[int, dict[str, list[int]]]:
+    """(pool blocks, {layout: P's block ids}) for moving `mib` MiB; the same in both processes."""
+    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 2
+    n = mib * 2**20 // (LAYERS * 2 * block_bytes)
+    return 4 * n, {"contiguous": list(range(n)), "scattered": random.Random(0).sample(range(4 * n), n)}
+
+
+def serve_blocks(mib: int, repeats: int) -> None:
+    """The P process: a shared pool with random contents, holding every request until pulled.
+
+    A separate interpreter (not multiprocessing), so it has its own shared-memory tracker as a
+    real prefill node would."""
+    pin_to(0)
+    total, layouts = block_layouts(mib)
+    pool = KVPool(pool_shape(total), DTYPE, "cpu", shared=True)
+    pool.tensor.copy_(torch.randn(pool.shape).to(DTYPE))
+    held = HeldBlocks(timeout_s=3600)
+    for t in TRANSPORTS:
+        for layout, ids in layouts.items():
+            for i in range(repeats):
+                held.hold(f"{t}-{layout}-{i}", ids)
+    transports = Transports(pool)
+    sender = KVSender(pool, transports, held, KVStats(), "127.0.0.1", 0)
+    print(sender.port, pool.shm_name, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    sender.close()
+    transports.close()
+    pool.close()
+
+
+def bench_backends(mib: int, repeats: int) -> dict:
+    pin_to(1)
+    total, layouts = block_layouts(mib)
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.plan.measure", "--mib", str(mib),
+                             "--repeats", str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    port, shm_name = proc.stdout.readline().split()
+    local = KVPool(pool_shape(total), DTYPE, "cpu")
+    transports, inbox = Transports(local), TransferInbox()
+    receiver = KVReceiver(local, transports, KVStats(), inbox, "auto", timeout_s=60)
+    n = len(layouts["contiguous"])
+    nbytes = n * LAYERS * 2 * local.block_bytes
+    results: dict = {"bytes": nbytes, "blocks": n}
+    rng = random.Random(1)
+    try:
+        for layout, ids in layouts.items():
+            dst = rng.sample(range(total), n) if layout == "scattered" else list(range(n))
+            for transport in TRANSPORTS:
+                receiver.transport = transport
+                times = []
+                for i in range(repeats):
+                    spec = LoadSpec(f"d{i}", dst, ids, f"{transport}-{layout}-{i}", "127.0.0.1", int(port), shm_name)
+                    start = time.perf_counter()
+                    receiver.start(spec)
+                    res = inbox.poll(timeout=60)
+                    assert res[0].error is None, res[0].error
+                    times.append(time.perf_counter() - start)
+                results[f"{transport}_{layout}_gbps"] = nbytes / min(times) / 1e9
+            remote = RemotePool(shm_name, pool_shape(total), DTYPE)  # memcpy reference: same segments
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                remote.copy_blocks(ids, local, dst)
+                times.append(time.perf_counter() - start)
+            results[f"memcpy_{layout}_gbps"] = nbytes / min(times) / 1e9
+            remote.close()
+    finally:
+        receiver.close()
+        transports.close()
+        proc.stdin.close()
+        proc.wait(30)
+    return results
+
+
+def one_start(dtype: str, model: str | None = None) -> dict:
+    args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
+    node = Child.on_free_port("node", args, log_path=os.devnull)
+    with ProcessGroup(stop_grace_s=30) as group:
+        start = time.perf_counter()
+        group.start(node)
+        group.wait_ready([node], 600, poll_s=0.05)
+        ready_s = time.perf_counter() - start
+        time.sleep(1.0)
+        return {"startup_s": ready_s, "idle_rss_mib": rss_mib(node.proc.pid)}
+
+
+if __name__ == "__main__":  # the P side of bench_backends
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    args = parser.parse_args()
+    serve_blocks(args.mib, args.repeats)
