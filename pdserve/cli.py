@@ -163,7 +163,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--profile {args.profile}: no such file (make one with `pdserve profile --out ...`)")
     slos, rate, requests = workload_from_args(args)
     summary = simulate(Profile.load(args.profile), setup, requests, rate, args.burstiness, args.seed, slos,
-                       args.policy, args.kv_transport)
+                       args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill)
     summary["profile"] = args.profile
     publish_run(summary, args)
     return 0
@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--setup", required=True, help="colocated:N | pull:xPyD | push:xPyD")
     simulate.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
     simulate.add_argument("--kv-transport", default="shm", choices=list(TRANSPORTS))
+    simulate.add_argument("--max-num-batched-tokens", type=int, default=None,
+                          help="every node's token budget per step (default: the profiled node's)")
+    simulate.add_argument("--no-chunked-prefill", action="store_true", help="a prompt is prefilled in one step")
     add_workload_args(simulate)
     simulate.add_argument("--out", default=None, help="write the results as JSON here (pdserve bench's fields)")
     simulate.set_defaults(func=cmd_simulate)

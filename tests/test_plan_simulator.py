@@ -59,6 +59,16 @@ def test_pull_adds_the_transfer_and_the_decode_nodes_recompute_of_the_last_token
     assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + 10 * KV_BYTES * 1e-9 + recompute)
 
 
+def test_without_chunked_prefill_a_prompt_takes_one_step_and_the_budget_grows_to_max_model_len():
+    profile = known_profile()
+    profile.meta["node"]["max_model_len"] = 4096
+    whole = run("colocated:1", [BenchRequest([0], 1000, 2)], profile=profile, chunked_prefill=False)
+    assert whole["ttfts"][0] == pytest.approx(0.010 + 1.000)  # one chunk, not two
+    assert whole["max_num_batched_tokens"] == 4096 and whole["chunked_prefill"] is False
+    small = run("colocated:1", [BenchRequest([0], 1000, 2)], profile=profile, max_num_batched_tokens=100)
+    assert small["ttfts"][0] == pytest.approx(10 * 0.010 + 1.000)  # ten 100-token chunks
+
+
 def test_under_load_every_request_finishes_and_more_decoders_cut_tpot():
     requests = [BenchRequest([0], 200, 100) for _ in range(40)]
     one = run("pull:1P1D", requests, rate=20.0)

@@ -33,7 +33,7 @@ from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.serving import run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, up_child
-from pdserve.workload import mixed_dataset, random_dataset, summarize
+from pdserve.workload import BenchRequest, mixed_dataset, random_dataset, summarize
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128
 CHUNK_BUDGET = 256
@@ -44,13 +44,17 @@ class Setup:
     key: str
     label: str
     up_args: tuple[str, ...]
+    simulated: str  # the same setup in `pdserve simulate --setup`
+    budget: int | None = None  # --max-num-batched-tokens (None: the node's default)
+    chunked: bool = True
 
 
 SETUPS = {
-    "a": Setup("a", "colocated x2", ("--colocated", "2", "--no-chunked-prefill")),
-    "b": Setup("b", "colocated x2 + chunked prefill", ("--colocated", "2", "--max-num-batched-tokens", str(CHUNK_BUDGET))),
-    "c": Setup("c", "1P1D pull", ("--mode", "pull")),
-    "d": Setup("d", "1P1D push", ("--mode", "push")),
+    "a": Setup("a", "colocated x2", ("--colocated", "2", "--no-chunked-prefill"), "colocated:2", chunked=False),
+    "b": Setup("b", "colocated x2 + chunked prefill", ("--colocated", "2", "--max-num-batched-tokens", str(CHUNK_BUDGET)),
+               "colocated:2", budget=CHUNK_BUDGET),
+    "c": Setup("c", "1P1D pull", ("--mode", "pull"), "pull:1P1D"),
+    "d": Setup("d", "1P1D push", ("--mode", "push"), "push:1P1D"),
 }
 
 
@@ -83,6 +87,20 @@ def idle_latencies(dtype: str, repeats: int = 3) -> dict:
 # -- the sweep -----------------------------------------------------------------------------------
 
 
+def study_slos(dtype: str, ttft_scale: float, tpot_scale: float) -> tuple[dict, dict[str, float]]:
+    """(idle latencies, SLOs) as the module's docstring defines them."""
+    idle = idle_latencies(dtype)
+    return idle, {"ttft_ms": ttft_scale * idle["ttft_long_ms"], "tpot_ms": tpot_scale * idle["decode_step_ms"]}
+
+
+def rate_workload(index: int, rate: float, seconds_per_rate: float, min_prompts: int) -> list[BenchRequest]:
+    """The requests sent at the sweep's `index`-th rate (arrivals are seeded with `index`).
+    A fresh seed per rate: the same prompts twice would hit the prefix cache."""
+    n = max(min_prompts, round(rate * seconds_per_rate))
+    return mixed_dataset(n, seed=1000 + index, long_fraction=0.1, short=(SHORT_INPUT, SHORT_OUTPUT),
+                         long=(LONG_INPUT, LONG_OUTPUT))
+
+
 def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_prompts: int, dtype: str,
               slos: dict[str, float]) -> list[dict]:
     points = []
@@ -92,11 +110,8 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
         warm = mixed_dataset(4, seed=999, long_fraction=0.5)
         asyncio.run(run_benchmark(up.url, warm, "completions", None, float("inf"), 1.0, None, 0, show_progress=False))
         for i, rate in enumerate(rates):
-            n = max(min_prompts, round(rate * seconds_per_rate))
-            # A fresh seed per rate: the same prompts twice would hit the prefix cache.
-            requests = mixed_dataset(n, seed=1000 + i, long_fraction=0.1, short=(SHORT_INPUT, SHORT_OUTPUT),
-                                     long=(LONG_INPUT, LONG_OUTPUT))
-            print(f"[{setup.key}] {setup.label}: {n} requests at {rate} req/s", flush=True)
+            requests = rate_workload(i, rate, seconds_per_rate, min_prompts)
+            print(f"[{setup.key}] {setup.label}: {len(requests)} requests at {rate} req/s", flush=True)
             results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0, None,
                                                           seed=i))
             summary = summarize(results, duration, slos)
@@ -289,8 +304,7 @@ def main() -> None:
         finish(res, args)
         return
 
-    idle = idle_latencies(args.dtype)
-    slos = {"ttft_ms": args.ttft_scale * idle["ttft_long_ms"], "tpot_ms": args.tpot_scale * idle["decode_step_ms"]}
+    idle, slos = study_slos(args.dtype, args.ttft_scale, args.tpot_scale)
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
     res: dict = {"idle": idle, "slos_ms": slos, "rates": args.rates, "seconds_per_rate": args.seconds_per_rate,
                  "setups": {}}

@@ -150,7 +150,7 @@ def node_limits(engine: LLMEngine) -> dict:
     return {"kv_bytes_per_token": engine.kv_spec.bytes_per_token, "num_layers": engine.kv_spec.num_layers,
             "kv_capacity_tokens": engine.block_manager.num_blocks * config.block_size,
             "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
-            "block_size": config.block_size}
+            "block_size": config.block_size, "max_model_len": engine.max_model_len}
 
 
 def measure_decode(engine: LLMEngine, points: ProfilePoints, seed: int, capacity: int) -> list[dict]:

@@ -90,15 +90,35 @@ class Simulation:
             action()
 
 
+@dataclass(frozen=True)
+class Batching:
+    """A node's scheduler settings (`pdserve serve`'s --max-num-batched-tokens, --no-chunked-prefill,
+    --max-num-seqs) and its KV pool in tokens."""
+
+    budget: int
+    chunked: bool
+    max_seqs: int
+    capacity: int
+
+    @classmethod
+    def of(cls, node: dict, budget: int | None = None, chunked: bool = True) -> Batching:
+        """The profiled node's settings, with the token budget and chunking a setup asks for.
+        Without chunked prefill the budget is at least max_model_len, as the engine makes it."""
+        budget = budget or node["max_num_batched_tokens"]
+        if budget < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
+        if not chunked:
+            budget = max(budget, node.get("max_model_len", budget))
+        return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"])
+
+
 @dataclass
 class SimNode:
     """One node's scheduler and clock (pdserve's Scheduler and step loop, in costs)."""
 
     sim: Simulation
     name: str
-    budget: int
-    max_seqs: int
-    capacity: int  # KV tokens
+    batching: Batching
     waiting: deque[Job] = field(default_factory=deque)
     running: list[Job] = field(default_factory=list)
     busy: bool = False
@@ -112,8 +132,9 @@ class SimNode:
     def _maybe_step(self) -> None:
         if self.busy or not (self.waiting or self.running):
             return
-        decodes = [j for j in self.running if j.prefilled == j.prefill_tokens][: self.max_seqs]
-        budget = self.budget - len(decodes)
+        limits = self.batching
+        decodes = [j for j in self.running if j.prefilled == j.prefill_tokens][: limits.max_seqs]
+        budget = limits.budget - len(decodes)
         chunks: list[tuple[Job, int]] = []
         for job in [j for j in self.running if j.prefilled < j.prefill_tokens]:
             if budget > 0:
@@ -121,8 +142,10 @@ class SimNode:
                 chunks.append((job, n))
                 budget -= n
         reserved = sum(j.reserved_tokens for j in self.running)
-        while (self.waiting and budget > 0 and len(self.running) < self.max_seqs
-               and reserved + self.waiting[0].reserved_tokens <= self.capacity):
+        while (self.waiting and budget > 0 and len(self.running) < limits.max_seqs
+               and reserved + self.waiting[0].reserved_tokens <= limits.capacity):
+            if not limits.chunked and self.waiting[0].prefill_tokens > budget:
+                break  # the whole prompt in one step, or wait for the next
             job = self.waiting.popleft()
             self.running.append(job)
             reserved += job.reserved_tokens
@@ -176,7 +199,7 @@ class Tracker:
 
 
 class Proxy:
-    def __init__(self, sim: Simulation, setup: Setup, policy: str, transport: str) -> None:
+    def __init__(self, sim: Simulation, setup: Setup, policy: str, transport: str, batching: Batching) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
         node = sim.profile.meta["node"]
@@ -185,11 +208,9 @@ class Proxy:
         self.sim, self.setup, self.policy, self.transport = sim, setup, policy, transport
         self.kv_bytes_per_token, self.num_layers = node["kv_bytes_per_token"], node["num_layers"]
 
-        def make(name: str) -> SimNode:
-            return SimNode(sim, name, node["max_num_batched_tokens"], node["max_num_seqs"], node["kv_capacity_tokens"])
-
-        self.prefillers = [make(f"P{i}") for i in range(setup.prefill)]
-        self.decoders = [make(f"D{i}" if setup.mode != "colocated" else f"N{i}") for i in range(setup.decode)]
+        self.prefillers = [SimNode(sim, f"P{i}", batching) for i in range(setup.prefill)]
+        self.decoders = [SimNode(sim, f"D{i}" if setup.mode != "colocated" else f"N{i}", batching)
+                         for i in range(setup.decode)]
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def _pick(self, nodes: list[SimNode], kind: str) -> SimNode:
@@ -222,10 +243,13 @@ class Proxy:
 
 
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
-             seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm") -> dict:
-    """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py)."""
+             seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm",
+             max_num_batched_tokens: int | None = None, chunked_prefill: bool = True) -> dict:
+    """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py).
+    Every node runs the profiled node's settings, with the token budget and chunking given here."""
     sim = Simulation(profile)
-    proxy = Proxy(sim, setup, policy, transport)
+    batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill)
+    proxy = Proxy(sim, setup, policy, transport, batching)
     trackers: list[Tracker] = []
     t = 0.0
     for rid, (req, gap) in enumerate(zip(requests, arrival_gaps(len(requests), rate, burstiness, seed))):
@@ -238,5 +262,6 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     duration = max((tr.token_times[-1] for tr in trackers if tr.token_times), default=0.0)
     summary = summarize(results, duration, slos)
     summary.update({"setup": f"{setup.mode}:{setup.prefill}P{setup.decode}D" if setup.mode != "colocated"
-                    else f"colocated:{setup.decode}", "policy": policy, "simulated": True})
+                    else f"colocated:{setup.decode}", "policy": policy, "simulated": True,
+                    "max_num_batched_tokens": batching.budget, "chunked_prefill": chunked_prefill})
     return summary

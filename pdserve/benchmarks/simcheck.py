@@ -1,0 +1,149 @@
+"""The simulator against real runs: the study's setups on this machine, measured and simulated.
+
+    python -m pdserve.benchmarks.simcheck [--rates 0.25 0.5 1.0] [--seconds-per-rate 40] [--setups a b c d]
+                                         [--quick-profile | --profile FILE]
+
+First a fresh profile of this machine's engine (`pdserve profile`, one thread like each node; or
+the one given), then the SLOs of the study (benchmarks/study.py), then for each setup and rate the
+study's workload twice: for real (`pdserve up`, one core per node) and in the simulator with that
+profile. Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
+relative to the real run, SLO attainment in points. Targets: medians and throughput within 10 %,
+attainment within 10 points.
+
+Writes docs/results/simcheck.json (with the profile it used), simcheck.png (goodput and
+attainment against rate, simulated dashed against real) and a section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.study import SETUPS, rate_workload, run_setup, study_slos
+from pdserve.config import EngineConfig
+from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile
+from pdserve.plan.simulator import Setup, simulate
+from pdserve.platform import plan_kernels
+
+RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")
+MEDIANS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")  # the ones the 10 % target covers
+
+
+def errors(real: dict, simulated: dict) -> dict[str, float]:
+    """(simulated - real) / real for each metric of RELATIVE; attainment as simulated - real, in points."""
+    out = {key: (simulated[key] - real[key]) / real[key] if real[key] else float("nan") for key in RELATIVE}
+    out["slo_attainment_points"] = (simulated["slo_attainment"] - real["slo_attainment"]) * 100
+    return out
+
+
+def within_targets(err: dict[str, float]) -> bool:
+    return all(abs(err[key]) <= 0.10 for key in MEDIANS) and abs(err["slo_attainment_points"]) <= 10
+
+
+def simulated_points(profile: Profile, key: str, rates: list[float], seconds_per_rate: float, min_prompts: int,
+                     slos: dict[str, float]) -> list[dict]:
+    setup = SETUPS[key]
+    return [simulate(profile, Setup.parse(setup.simulated), rate_workload(i, rate, seconds_per_rate, min_prompts),
+                     rate, 1.0, i, slos, max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked)
+            for i, rate in enumerate(rates)]
+
+
+def table(res: dict) -> str:
+    lines = ["| setup | rate (req/s) | median TTFT real / sim (ms) | p99 TTFT | median TPOT | p99 TPOT | "
+             "throughput real / sim (req/s) | attainment real / sim (%) | errors (TTFT p50, p99, TPOT p50, p99, "
+             "throughput; attainment points) | within targets |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, s in res["setups"].items():
+        for rate, real, sim, err in zip(res["rates"], s["real"], s["simulated"], s["errors"]):
+            pair = lambda k, fmt="{:.0f}": f"{fmt.format(real[k])} / {fmt.format(sim[k])}"  # noqa: E731
+            errs = ", ".join(f"{err[k] * 100:+.0f} %" for k in RELATIVE) + f"; {err['slo_attainment_points']:+.0f}"
+            lines.append(f"| ({key}) {s['label']} | {rate:g} | {pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | "
+                         f"{pair('median_tpot_ms')} | {pair('p99_tpot_ms')} | {pair('request_throughput', '{:.2f}')} | "
+                         f"{real['slo_attainment'] * 100:.0f} / {sim['slo_attainment'] * 100:.0f} | {errs} | "
+                         f"{'yes' if within_targets(err) else 'no'} |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for n, (key, s) in enumerate(res["setups"].items()):
+        color = f"C{n}"
+        for kind, style in (("real", "-"), ("simulated", "--")):
+            label = f"({key}) {s['label']}, {kind}"
+            axes[0].plot(res["rates"], [p["request_goodput"] for p in s[kind]], style, color=color, marker="o", label=label)
+            axes[1].plot(res["rates"], [p["slo_attainment"] * 100 for p in s[kind]], style, color=color, marker="o")
+    axes[0].set(xlabel="request rate (req/s)", ylabel="goodput (req/s)", title="goodput: real (solid), simulated (dashed)")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title="SLO attainment")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--seconds-per-rate", type=float, default=40.0)
+    parser.add_argument("--min-prompts", type=int, default=20)
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--ttft-scale", type=float, default=2.0)
+    parser.add_argument("--tpot-scale", type=float, default=1.5)
+    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--profile", default=None, help="use this profile instead of measuring a fresh one")
+    source.add_argument("--quick-profile", action="store_true", help="measure the fresh profile with --quick")
+    parser.add_argument("--out", default="docs/results/simcheck.json")
+    args = parser.parse_args()
+    args.dtype = plan_kernels(args.dtype).dtype
+
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:  # measured alone on the machine, before any node starts
+        points = ProfilePoints.quick() if args.quick_profile else ProfilePoints.full()
+        profile = run_profile(EngineConfig(dtype=args.dtype, threads=1), points)
+    print(describe(profile), flush=True)
+    idle, slos = study_slos(args.dtype, args.ttft_scale, args.tpot_scale)
+    print(f"idle latencies {idle}; SLOs {slos}", flush=True)
+
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "rates": args.rates,
+                 "seconds_per_rate": args.seconds_per_rate, "slos_ms": slos, "idle": idle,
+                 "profile": asdict(profile), "profile_source": args.profile or "fresh", "setups": {}}
+    for key in args.setups:
+        setup = SETUPS[key]
+        real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos)
+        sim = simulated_points(profile, key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
+        res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
+                              "errors": [errors(r, s) for r, s in zip(real, sim)]}
+        for rate, err in zip(args.rates, res["setups"][key]["errors"]):
+            print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
+                  + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
+    all_errors = [e for s in res["setups"].values() for e in s["errors"]]
+    res["within_targets"] = sum(within_targets(e) for e in all_errors)
+    res["points"] = len(all_errors)
+    finish(res, args)
+
+
+def finish(res: dict, args) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    plot(res, png)
+    body = (f"Command: `python -m pdserve.benchmarks.simcheck --rates {' '.join(f'{r:g}' for r in res['rates'])} "
+            f"--seconds-per-rate {res['seconds_per_rate']:g}` ({res['date']}, {res['dtype']}, profile: "
+            f"{res['profile_source']}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
+            f"TPOT {res['slos_ms']['tpot_ms']:.0f} ms. Errors are (simulated - real) / real; attainment in points.\n\n"
+            f"{table(res)}\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
+            f"throughput within 10 %, attainment within 10 points).\n\n![simulated against real]({png.name})")
+    publish(res, str(out), "simcheck", "Simulator against real runs (simcheck)", body)
+
+
+if __name__ == "__main__":
+    main()
