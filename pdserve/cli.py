@@ -150,8 +150,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
     from pathlib import Path
+
+    from pdserve.plan.planner import Planner, report
+    from pdserve.plan.profile import Profile
+    from pdserve.workload import parse_goodput, requests_from_args
+
+    profile = Profile.load(args.profile, model=args.model)
+    slos = parse_goodput(args.goodput)
+    planner = Planner(profile, requests_from_args(args), args.rate, slos, args.attainment, args.max_nodes, args.seed)
+    result = planner.plan()
+    result.update({"profile": args.profile, "dataset": args.dataset, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    print(report(result, args.profile))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0 if result["pick"] else 1
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
 
     from pdserve.benchmarks.serving import publish_run
     from pdserve.plan.profile import Profile
@@ -159,10 +177,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.workload import workload_from_args
 
     setup = Setup.parse(args.setup)
-    if not Path(args.profile).is_file():
-        raise ValueError(f"--profile {args.profile}: no such file (make one with `pdserve profile --out ...`)")
+    profile = Profile.load(args.profile)
     slos, rate, requests = workload_from_args(args)
-    summary = simulate(Profile.load(args.profile), setup, requests, rate, args.burstiness, args.seed, slos,
+    summary = simulate(profile, setup, requests, rate, args.burstiness, args.seed, slos,
                        args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill)
     summary["profile"] = args.profile
     publish_run(summary, args)
@@ -177,6 +194,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload of `pdserve bench` (and of `pdserve simulate`, which replays the same requests)."""
+    add_dataset_args(parser)
+    parser.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) -> None:
+    """Which requests: `pdserve bench`, `simulate` and `plan` read the same dataset flags."""
     parser.add_argument("--dataset", default="random", help="random | mixed | path to a ShareGPT JSON file")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -186,10 +211,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--short-output-len", type=int, default=128)
     parser.add_argument("--long-input-len", type=int, default=2048)
     parser.add_argument("--long-output-len", type=int, default=64)
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
 
@@ -298,6 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(simulate)
     simulate.add_argument("--out", default=None, help="write the results as JSON here (pdserve bench's fields)")
     simulate.set_defaults(func=cmd_simulate)
+
+    plan = sub.add_parser("plan", help="the fewest nodes (colocated or P:D) that meet SLOs at a rate, from a profile")
+    plan.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
+    plan.add_argument("--model", default=None, help="refuse a profile of another model (name or part of it)")
+    plan.add_argument("--rate", type=float, required=True, help="requests per second to serve")
+    plan.add_argument("--goodput", nargs="+", required=True, metavar="METRIC:MS", help="SLOs, e.g. ttft:2000 tpot:60")
+    plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
+    plan.add_argument("--max-nodes", type=int, default=64, help="the largest cluster to consider (up to 1000)")
+    add_dataset_args(plan, num_prompts=2000)
+    plan.add_argument("--out", default=None, help="write every setup's figures as JSON here")
+    plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="online serving benchmark against any OpenAI-compatible server")
     bench.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

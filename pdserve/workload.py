@@ -185,10 +185,15 @@ def workload_from_args(args) -> tuple[dict[str, float], float, list[BenchRequest
         raise ValueError("--request-rate must be > 0 or inf")
     if args.burstiness <= 0:
         raise ValueError("--burstiness must be > 0")
+    return slos, rate, requests_from_args(args)
+
+
+def requests_from_args(args) -> list[BenchRequest]:
+    """The requests of the dataset flags (cli.add_dataset_args); ValueError names a bad flag."""
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     tokenizer = None
-    chat = getattr(args, "endpoint", "completions") == "chat"  # `pdserve simulate` has no endpoint
+    chat = getattr(args, "endpoint", "completions") == "chat"  # only `pdserve bench` has an endpoint
     if args.dataset not in ("random", "mixed") or chat:
         from pdserve.models.loader import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
@@ -205,4 +210,4 @@ def workload_from_args(args) -> tuple[dict[str, float], float, list[BenchRequest
         requests = sharegpt_dataset(args.dataset, args.num_prompts, args.seed, tokenizer)
     if chat:
         requests = as_text(requests, tokenizer)
-    return slos, rate, requests
+    return requests

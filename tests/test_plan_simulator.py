@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulator import Setup, simulate
+from pdserve.plan.simulator import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
 from pdserve.workload import BenchRequest
 
 KV_BYTES = 1000  # per token
@@ -57,6 +57,38 @@ def test_pull_adds_the_transfer_and_the_decode_nodes_recompute_of_the_last_token
     assert pull["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + transfer + recompute)
     push = run("push:1P1D", [BenchRequest([0], 100, 2)])  # only the last of 10 layers follows the prefill
     assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + 10 * KV_BYTES * 1e-9 + recompute)
+
+
+def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
+    profile = known_profile()
+    profile.serving = {"request_s": 0.050, "step_s": 0.002}
+    colocated = run("colocated:1", [BenchRequest([0], 100, 3)], profile=profile)
+    assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002)
+    assert colocated["itls"][0] == pytest.approx([0.020 + 0.002 + 0.005 + 101e-5, 0.020 + 0.002 + 0.005 + 102e-5])
+    pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's after the transfer
+    transfer = 0.002 + 100 * KV_BYTES * 1e-9
+    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + (0.011 + 0.002))
+
+
+def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
+    """A decodes alone (one event per run) when B arrives at 0.5 s: B's prefill joins the step
+    after the one in progress, exactly as a step-by-step loop would schedule it."""
+    sim = Simulation(known_profile())
+    node = SimNode(sim, "N", Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000))
+    a, b = Tracker(BenchRequest([0], 100, 50), 0.0), Tracker(BenchRequest([0], 100, 5), 0.5)
+    sim.at(0.0, lambda: node.submit(Job(0, 100, 0, 50, a, lambda t: None)))
+    sim.at(0.5, lambda: node.submit(Job(1, 100, 0, 5, b, lambda t: None)))
+    sim.run()
+    t, kv, expected = 0.110, 101, []  # step by step: A's prefill, then decode steps that start before 0.5
+    while t < 0.5:
+        step = 0.025 + kv * 1e-5
+        t, kv = t + step, kv + 1
+        expected.append(step)
+    mixed = 0.110 + 0.025 + kv * 1e-5  # B's 100-token chunk and A's decode in one step
+    expected.append(mixed)
+    assert a.result().itls_ms[: len(expected)] == pytest.approx([x * 1e3 for x in expected])
+    assert b.result().ttft_ms == pytest.approx((t + mixed - 0.5) * 1e3)
+    assert a.result().output_len == 50 and b.result().output_len == 5 and node.reserved == 0
 
 
 def test_without_chunked_prefill_a_prompt_takes_one_step_and_the_budget_grows_to_max_model_len():

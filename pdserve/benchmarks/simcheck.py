@@ -6,7 +6,8 @@
 First a fresh profile of this machine's engine (`pdserve profile`, one thread like each node; or
 the one given), then the SLOs of the study (benchmarks/study.py), then for each setup and rate the
 study's workload twice: for real (`pdserve up`, one core per node) and in the simulator with that
-profile. Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
+profile (`--real-from` an earlier JSON simulates its real runs again, e.g. with a new profile).
+Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
 relative to the real run, SLO attainment in points. Targets: medians and throughput within 10 %,
 attainment within 10 points.
 
@@ -17,6 +18,7 @@ attainment against rate, simulated dashed against real) and a section of docs/be
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -101,8 +103,13 @@ def main() -> None:
     source.add_argument("--profile", default=None, help="use this profile instead of measuring a fresh one")
     source.add_argument("--quick-profile", action="store_true", help="measure the fresh profile with --quick")
     parser.add_argument("--out", default="docs/results/simcheck.json")
+    parser.add_argument("--real-from", default=None, metavar="JSON",
+                        help="take the real runs, rates and SLOs from an earlier simcheck JSON; simulate again")
     args = parser.parse_args()
     args.dtype = plan_kernels(args.dtype).dtype
+    earlier = json.loads(Path(args.real_from).read_text()) if args.real_from else None
+    if earlier:
+        args.rates, args.seconds_per_rate, args.setups = earlier["rates"], earlier["seconds_per_rate"], list(earlier["setups"])
 
     if args.profile:
         profile = Profile.load(args.profile)
@@ -110,15 +117,22 @@ def main() -> None:
         points = ProfilePoints.quick() if args.quick_profile else ProfilePoints.full()
         profile = run_profile(EngineConfig(dtype=args.dtype, threads=1), points)
     print(describe(profile), flush=True)
-    idle, slos = study_slos(args.dtype, args.ttft_scale, args.tpot_scale)
+    if earlier:
+        idle, slos = earlier["idle"], earlier["slos_ms"]
+    else:
+        idle, slos = study_slos(args.dtype, args.ttft_scale, args.tpot_scale)
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
 
     res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "rates": args.rates,
                  "seconds_per_rate": args.seconds_per_rate, "slos_ms": slos, "idle": idle,
-                 "profile": asdict(profile), "profile_source": args.profile or "fresh", "setups": {}}
+                 "profile": asdict(profile), "profile_source": args.profile or "fresh", "setups": {},
+                 "real_from": earlier["date"] if earlier else None}
     for key in args.setups:
         setup = SETUPS[key]
-        real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos)
+        if earlier:
+            real = earlier["setups"][key]["real"]
+        else:
+            real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos)
         sim = simulated_points(profile, key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
@@ -136,9 +150,10 @@ def finish(res: dict, args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plot(res, png)
+    again = f"; real runs of {res['real_from']}, simulated again" if res.get("real_from") else ""
     body = (f"Command: `python -m pdserve.benchmarks.simcheck --rates {' '.join(f'{r:g}' for r in res['rates'])} "
             f"--seconds-per-rate {res['seconds_per_rate']:g}` ({res['date']}, {res['dtype']}, profile: "
-            f"{res['profile_source']}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
+            f"{res['profile_source']}{again}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
             f"TPOT {res['slos_ms']['tpot_ms']:.0f} ms. Errors are (simulated - real) / real; attainment in points.\n\n"
             f"{table(res)}\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
             f"throughput within 10 %, attainment within 10 points).\n\n![simulated against real]({png.name})")

@@ -3,7 +3,8 @@
 `bench_backends` moves a SmolLM2-shaped set of blocks (bf16, 30 layers, 16-token blocks) between
 two processes with the real connector code: P (`python -m pdserve.plan.measure`, holding the
 blocks) and D (the caller), over each transport, contiguous and scattered; memcpy is the same
-segments copied within one process. `one_start` times `pdserve serve` from start to healthy.
+segments copied within one process. `one_start` times `pdserve serve` from start to healthy and,
+asked to, what serving over HTTP adds to the engine's costs (streamed probes).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import torch
 
 from pdserve.kv.holds import HeldBlocks
@@ -25,6 +27,7 @@ from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import TRANSPORTS, Transports
 from pdserve.procinfo import rss_mib
 from pdserve.procs import Child, ProcessGroup
+from pdserve.workload import random_prompts
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
 
@@ -113,16 +116,41 @@ def bench_backends(mib: int, repeats: int) -> dict:
     return results
 
 
-def one_start(dtype: str, model: str | None = None) -> dict:
+PROBE_PROMPT, PROBE_TOKENS = 128, 32
+
+
+def one_start(dtype: str, model: str | None = None, probes: int = 0) -> dict:
+    """Start `pdserve serve` (one thread, pinned): seconds to healthy, idle RSS, and with `probes`
+    the TTFT and TPOT of that many streamed requests sent one at a time (the first warms up)."""
     args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
-    node = Child.on_free_port("node", args, log_path=os.devnull)
+    node = Child.on_free_port("node", args, core=0, log_path=os.devnull)
     with ProcessGroup(stop_grace_s=30) as group:
         start = time.perf_counter()
         group.start(node)
         group.wait_ready([node], 600, poll_s=0.05)
         ready_s = time.perf_counter() - start
         time.sleep(1.0)
-        return {"startup_s": ready_s, "idle_rss_mib": rss_mib(node.proc.pid)}
+        out = {"startup_s": ready_s, "idle_rss_mib": rss_mib(node.proc.pid)}
+        if probes:
+            timings = [streamed_timings(node.url, prompt) for prompt in random_prompts(probes + 1, PROBE_PROMPT, 77)]
+            out["probes"] = timings[1:]
+        return out
+
+
+def streamed_timings(url: str, prompt: list[int]) -> dict:
+    """TTFT and TPOT of one streamed completion of PROBE_TOKENS tokens, as a client sees them."""
+    body = {"prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    times = []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"probe: {len(times)} streamed chunks for {PROBE_TOKENS} tokens")
+    return {"prompt_tokens": len(prompt), "ttft_s": times[0] - start,
+            "tpot_s": (times[-1] - times[0]) / (PROBE_TOKENS - 1)}
 
 
 if __name__ == "__main__":  # the P side of bench_backends

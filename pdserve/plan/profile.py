@@ -32,7 +32,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS
 from pdserve.plan.fit import LinearFit, fit_linear
-from pdserve.plan.measure import bench_backends, one_start
+from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, one_start
 from pdserve.platform import CpuInfo
 from pdserve.sampling_params import SamplingParams
 from pdserve.workload import random_prompts
@@ -76,6 +76,9 @@ class Profile:
     transfer: dict[str, LinearFit]  # transport -> fit
     startup_s: float
     samples: dict = field(default_factory=dict)  # the raw measurements each fit was made on
+    # What serving over HTTP adds to the engine's costs, from streamed probes of one idle node:
+    # request_s per request hop (client or proxy -> node -> first token out), step_s per step.
+    serving: dict = field(default_factory=lambda: {"request_s": 0.0, "step_s": 0.0})
 
     def prefill_time(self, prompt_tokens: int, chunk_size: int, cached_tokens: int = 0) -> float:
         """Predicted seconds to prefill a prompt in chunks of `chunk_size` after `cached_tokens`."""
@@ -99,11 +102,30 @@ class Profile:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, path: Path) -> Profile:
-        data = json.loads(Path(path).read_text())
+    def load(cls, path: Path | str, model: str | None = None) -> Profile:
+        """The profile at `path`; ValueError in one line when it is missing, not a profile, made
+        with other cost models than this pdserve fits, or (with `model`) of another model."""
+        where = f"--profile {path}"
+        if not Path(path).is_file():
+            raise ValueError(f"{where}: no such file (make one with `pdserve profile --out ...`)")
+        try:
+            data = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+        missing = [k for k in ("meta", "prefill_chunk", "decode_step", "transfer", "startup_s")
+                   if not isinstance(data, dict) or k not in data]
+        if missing:
+            raise ValueError(f"{where}: not a pdserve profile (no {', '.join(missing)})")
+        for key, features in (("prefill_chunk", PREFILL_FEATURES), ("decode_step", DECODE_FEATURES)):
+            if data[key].get("features") != features:
+                raise ValueError(f"{where}: its {key} model has features {data[key].get('features')}, this pdserve "
+                                 f"reads {features}: measure it again with `pdserve profile`")
+        if model is not None and model not in str(data["meta"].get("model", "")):
+            raise ValueError(f"{where}: a profile of {data['meta'].get('model', 'an unnamed model')!r}, "
+                             f"not of {model!r}")
         return cls(data["meta"], LinearFit.from_dict(data["prefill_chunk"]), LinearFit.from_dict(data["decode_step"]),
                    {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
-                   data.get("samples", {}))
+                   data.get("samples", {}), data.get("serving", {"request_s": 0.0, "step_s": 0.0}))
 
 
 def chunk_features(tokens: int, context_before: int) -> dict[str, float]:
@@ -207,7 +229,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     finally:
         engine.close()
     transfers = measure_transfers(points)
-    startups = [one_start(config.dtype, config.model)["startup_s"] for _ in range(points.startup_runs)]
+    starts = [one_start(config.dtype, config.model, probes=6 if i == 0 else 0) for i in range(points.startup_runs)]
 
     prefill_fit = fit_linear([chunk_features(s["tokens"], s["context_before"]) for s in prefill],
                              [s["seconds"] for s in prefill], PREFILL_FEATURES)
@@ -222,8 +244,20 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
             "node": node, "quick": points == ProfilePoints.quick(),
             "models": {"prefill_chunk": "a + b * tokens + c * tokens * (context_before + tokens / 2)",
                        "decode_step": "a + b * seqs + c * kv_tokens", "transfer": "latency + bytes / bandwidth"}}
-    return Profile(meta, prefill_fit, decode_fit, transfer_fits, statistics.median(startups),
-                   {"prefill": prefill, "decode": decode, "transfer": transfers, "startup_s": startups})
+    profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, statistics.median(s["startup_s"] for s in starts),
+                      {"prefill": prefill, "decode": decode, "transfer": transfers,
+                       "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]})
+    profile.serving = serving_overheads(profile, starts[0]["probes"])
+    return profile
+
+
+def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
+    """Medians of what a client saw beyond the engine's fitted costs: TTFT minus the prompt's
+    prefill step, TPOT minus a one-sequence decode step at the probe's mean context."""
+    mid_context = PROBE_PROMPT + PROBE_TOKENS // 2
+    request = statistics.median(p["ttft_s"] - profile.prefill_chunk_time(p["prompt_tokens"], 0) for p in probes)
+    step = statistics.median(p["tpot_s"] - profile.decode_step_time(1, mid_context) for p in probes)
+    return {"request_s": max(request, 0.0), "step_s": max(step, 0.0)}
 
 
 def describe(profile: Profile) -> str:
@@ -243,6 +277,8 @@ def describe(profile: Profile) -> str:
         lines.append(f"  transfer {transport:4s} = {f.coefficients[0] * 1e3:.2f} ms + bytes / {bandwidth:.2f} GB/s   "
                      f"(error mean {f.mean_rel_error:.1%}, max {f.max_rel_error:.1%})")
     lines.append(f"  node start-up = {profile.startup_s:.1f} s")
+    lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop and "
+                 f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
     lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
                  f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")
     return "\n".join(lines)

@@ -10,8 +10,12 @@ What it models, as pdserve does it:
 - each node's scheduler, one step at a time: running decodes first (one token each, up to
   max_num_seqs), then prefill chunks within the token budget (chunked prefill), a request admitted
   only while the KV pool holds its prompt and output (no preemption: admission reserves it all);
+  steps that only decode a batch that does not change are one event (a decode run), so the cost of
+  simulating grows with requests, not with tokens;
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for
-  each chunk; transfers: the profile's fit for the transport.
+  each chunk, plus what the server adds per step; each HTTP hop to a node (one colocated, P's and
+  D's in pull, P's in push) adds the profile's per-request serving cost; transfers: the
+  profile's fit for the transport.
 
 It returns the fields `pdserve bench --out` writes (pdserve/workload.py: summarize), so a
 simulated and a measured run compare key by key.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,7 +65,7 @@ class Job:
     prefill_tokens: int
     context: int
     output_tokens: int
-    on_token: Callable[[float], None]  # called at each token's time
+    tokens: Tracker | None  # where the tokens go (None: a prefill node's token, which the client never sees)
     on_done: Callable[[float], None]
     prefilled: int = 0
     generated: int = 0
@@ -74,9 +79,39 @@ class Job:
         return self.context + self.prefill_tokens + self.output_tokens
 
 
+@dataclass(frozen=True)
+class Costs:
+    """The profile's prefill-chunk and decode-step fits as plain numbers: the simulator's hot path
+    (Profile.prefill_chunk_time and decode_step_time, without the feature dicts)."""
+
+    chunk_fixed: float
+    chunk_token: float
+    chunk_pair: float  # per attention pair: tokens * (context_before + tokens / 2)
+    step_fixed: float
+    step_seq: float
+    step_kv: float
+    step_serving: float  # what the server adds to every step (profile.serving)
+    request_hop: float  # what one HTTP hop adds before a node starts a request
+
+    @classmethod
+    def of(cls, profile: Profile) -> Costs:
+        p = dict(zip(profile.prefill_chunk.features, profile.prefill_chunk.coefficients))
+        d = dict(zip(profile.decode_step.features, profile.decode_step.coefficients))
+        return cls(p["one"], p["tokens"], p["attention_pairs"], d["one"], d["seqs"], d["kv_tokens"],
+                   profile.serving["step_s"], profile.serving["request_s"])
+
+    def chunk(self, tokens: int, context_before: int) -> float:
+        return self.chunk_fixed + tokens * (self.chunk_token + self.chunk_pair * (context_before + tokens / 2))
+
+    def step(self, seqs: int, kv_tokens: int) -> float:
+        """A decode step, with what serving adds to each step."""
+        return self.step_fixed + self.step_serving + self.step_seq * seqs + self.step_kv * kv_tokens
+
+
 class Simulation:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
+        self.costs = Costs.of(profile)
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -88,6 +123,34 @@ class Simulation:
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
             action()
+
+
+@dataclass
+class DecodeRun:
+    """`steps` decode steps of a constant batch, taken as one event: step j (from 0) lasts
+    first_step + growth * j, since each step adds a token to every sequence of the batch."""
+
+    start: float
+    first_step: float
+    growth: float
+    steps: int
+    jobs: list[Job]
+
+    def elapsed(self, steps: int) -> float:
+        return steps * self.first_step + self.growth * steps * (steps - 1) / 2
+
+    def steps_done_by(self, time: float) -> int:
+        """Steps finished between start and `time`."""
+        t, a, g = time - self.start, self.first_step, self.growth
+        if a <= 0 and g <= 0:
+            return self.steps
+        k = int(t / a) if g <= 0 else int((-(a - g / 2) + math.sqrt((a - g / 2) ** 2 + 2 * g * t)) / g)
+        k = max(0, min(k, self.steps))
+        while k > 0 and self.elapsed(k) > t:  # floating point at the edges
+            k -= 1
+        while k < self.steps and self.elapsed(k + 1) <= t:
+            k += 1
+        return k
 
 
 @dataclass(frozen=True)
@@ -107,8 +170,8 @@ class Batching:
         budget = budget or node["max_num_batched_tokens"]
         if budget < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
-        if not chunked:
-            budget = max(budget, node.get("max_model_len", budget))
+        if not chunked:  # a profile without max_model_len: no prompt is too long for one step
+            budget = max(budget, node.get("max_model_len", 1 << 30))
         return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"])
 
 
@@ -123,43 +186,72 @@ class SimNode:
     running: list[Job] = field(default_factory=list)
     busy: bool = False
     outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
+    run: DecodeRun | None = None
+    run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
+    reserved: int = 0  # KV tokens the running jobs hold
 
     def submit(self, job: Job) -> None:
         self.waiting.append(job)
         self.outstanding += 1
+        if self.run is not None:
+            self._cut_run()
         self._maybe_step()
+
+    def _cut_run(self) -> None:
+        """New work arrived during a decode run: end the run with the step now in progress, so the
+        scheduler sees the new job at the next step boundary, as the engine's loop would."""
+        run = self.run
+        steps = min(run.steps_done_by(self.sim.now) + 1, run.steps)
+        if steps < run.steps:
+            run.steps = steps
+            self.run_token += 1
+            token = self.run_token
+            self.sim.at(run.start + run.elapsed(steps), lambda: self._finish_run(token))
 
     def _maybe_step(self) -> None:
         if self.busy or not (self.waiting or self.running):
             return
         limits = self.batching
-        decodes = [j for j in self.running if j.prefilled == j.prefill_tokens][: limits.max_seqs]
+        decodes: list[Job] = []
+        prefilling: list[Job] = []
+        for job in self.running:
+            (decodes if job.prefilled == job.prefill_tokens else prefilling).append(job)
         budget = limits.budget - len(decodes)
         chunks: list[tuple[Job, int]] = []
-        for job in [j for j in self.running if j.prefilled < j.prefill_tokens]:
+        for job in prefilling:
             if budget > 0:
                 n = min(budget, job.prefill_tokens - job.prefilled)
                 chunks.append((job, n))
                 budget -= n
-        reserved = sum(j.reserved_tokens for j in self.running)
         while (self.waiting and budget > 0 and len(self.running) < limits.max_seqs
-               and reserved + self.waiting[0].reserved_tokens <= limits.capacity):
+               and self.reserved + self.waiting[0].reserved_tokens <= limits.capacity):
             if not limits.chunked and self.waiting[0].prefill_tokens > budget:
                 break  # the whole prompt in one step, or wait for the next
             job = self.waiting.popleft()
             self.running.append(job)
-            reserved += job.reserved_tokens
+            self.reserved += job.reserved_tokens
             n = min(budget, job.prefill_tokens)
             chunks.append((job, n))
             budget -= n
         if not decodes and not chunks:
             return  # the head of the queue waits for KV to be freed
-        p = self.sim.profile
-        seconds = sum(p.prefill_chunk_time(n, j.context + j.prefilled) for j, n in chunks)
-        if decodes:
-            seconds += p.decode_step_time(len(decodes), sum(j.kv_tokens for j in decodes))  # the fed token included
+        costs = self.sim.costs
         self.busy = True
-        self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(decodes, chunks))
+        kv_tokens = sum(j.context + j.prefilled + j.generated for j in decodes)  # the token fed this step included
+        if chunks:
+            seconds = sum(costs.chunk(n, j.context + j.prefilled) for j, n in chunks)
+            seconds += costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
+            self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(decodes, chunks))
+            return
+        # Decodes only: the batch stays the same until one of them finishes or new work arrives
+        # (submit cuts the run short), so its steps are one event.
+        first = max(costs.step(len(decodes), kv_tokens), 0.0)
+        growth = max(costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
+        steps = min(j.output_tokens - j.generated for j in decodes)
+        self.run = DecodeRun(self.sim.now, first, growth, steps, decodes)
+        self.run_token += 1
+        token = self.run_token
+        self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
 
     def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
         now = self.sim.now
@@ -170,9 +262,25 @@ class SimNode:
                 emitting.append(job)  # the step that ends a prompt samples its first token
         for job in emitting:
             job.generated += 1
-            job.on_token(now)
+            if job.tokens is not None:
+                job.tokens.token(now)
+        self._retire(emitting, now)
+
+    def _finish_run(self, token: int) -> None:
+        if token != self.run_token:
+            return  # this run was cut short; its new end is scheduled
+        run, self.run = self.run, None
+        for job in run.jobs:
+            job.generated += run.steps
+            if job.tokens is not None:
+                job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
+        self._retire(run.jobs, self.sim.now)
+
+    def _retire(self, jobs: list[Job], now: float) -> None:
+        for job in jobs:
             if job.generated == job.output_tokens:
                 self.running.remove(job)
+                self.reserved -= job.reserved_tokens
                 self.outstanding -= 1
                 job.on_done(now)
         self.busy = False
@@ -181,21 +289,36 @@ class SimNode:
 
 @dataclass
 class Tracker:
-    """One request's client-side timings, as `pdserve bench` records them."""
+    """One request's client-side timings, as `pdserve bench` records them. Inter-token gaps are
+    kept as runs (first gap, growth per step, count) and listed only when a result asks for them."""
 
     request: BenchRequest
     arrival: float
-    token_times: list[float] = field(default_factory=list)
+    first: float | None = None
+    last: float = 0.0
+    count: int = 0
+    gaps: list[tuple[float, float, int]] = field(default_factory=list)
 
-    def result(self) -> RequestResult:
-        times = self.token_times
-        if not times:  # never admitted: its prompt and output do not fit a node's KV pool
+    def token(self, time: float) -> None:
+        if self.first is None:
+            self.first = time
+        else:
+            self.gaps.append((time - self.last, 0.0, 1))
+        self.last, self.count = time, self.count + 1
+
+    def steps(self, end: float, first_step: float, growth: float, count: int) -> None:
+        """`count` tokens from back-to-back decode steps ending at `end` (the first token came before)."""
+        self.gaps.append((first_step, growth, count))
+        self.last, self.count = end, self.count + count
+
+    def result(self, itls: bool = True) -> RequestResult:
+        if self.first is None:  # never admitted: its prompt and output do not fit a node's KV pool
             return RequestResult(ok=False, input_len=self.request.input_len, start=self.arrival,
                                  error="does not fit the KV pool of any node")
-        return RequestResult(ok=len(times) == self.request.output_len, input_len=self.request.input_len,
-                             output_len=len(times), ttft_ms=(times[0] - self.arrival) * 1e3,
-                             e2el_ms=(times[-1] - self.arrival) * 1e3,
-                             itls_ms=[(b - a) * 1e3 for a, b in zip(times, times[1:])], start=self.arrival)
+        gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls else []
+        return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
+                             output_len=self.count, ttft_ms=(self.first - self.arrival) * 1e3,
+                             e2el_ms=(self.last - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
 
 
 class Proxy:
@@ -219,24 +342,25 @@ class Proxy:
         return nodes[next(self._turns[kind]) % len(nodes)]
 
     def arrive(self, rid: int, req: BenchRequest, tracker: Tracker) -> None:
-        record = tracker.token_times.append
+        """Route one request; each HTTP hop to a node costs the profile's serving request_s."""
+        hop, now = self.sim.costs.request_hop, self.sim.now
         if self.setup.mode == "colocated":
             node = self._pick(self.decoders, "decode")
-            node.submit(Job(rid, req.input_len, 0, req.output_len, record, lambda t: None))
+            self.sim.at(now + hop, lambda: node.submit(Job(rid, req.input_len, 0, req.output_len, tracker, lambda t: None)))
             return
-        decoder_job = Job(rid, 1, req.input_len - 1, req.output_len, record, lambda t: None)
+        decoder_job = Job(rid, 1, req.input_len - 1, req.output_len, tracker, lambda t: None)
         nbytes = req.input_len * self.kv_bytes_per_token
 
         def prefilled(t: float) -> None:
-            if self.setup.mode == "pull":
+            if self.setup.mode == "pull":  # P answers the proxy, which then sends the request to D
                 decoder = self._pick(self.decoders, "decode")
-                self.sim.at(t + self.profile_transfer(nbytes), lambda: decoder.submit(decoder_job))
-            else:  # push: only the last layer's bytes are left to send once the prefill ends
+                self.sim.at(t + self.profile_transfer(nbytes) + hop, lambda: decoder.submit(decoder_job))
+            else:  # push: D had the request first; only the last layer's bytes follow the prefill
                 self.sim.at(t + self.profile_transfer(nbytes / self.num_layers), lambda: push_decoder.submit(decoder_job))
 
         push_decoder = self._pick(self.decoders, "decode") if self.setup.mode == "push" else None
         prefiller = self._pick(self.prefillers, "prefill")
-        prefiller.submit(Job(rid, req.input_len, 0, 1, lambda t: None, prefilled))
+        self.sim.at(now + hop, lambda: prefiller.submit(Job(rid, req.input_len, 0, 1, None, prefilled)))
 
     def profile_transfer(self, nbytes: float) -> float:
         return max(self.sim.profile.transfer_time(self.transport, int(nbytes)), 0.0)
@@ -244,9 +368,10 @@ class Proxy:
 
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
              seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm",
-             max_num_batched_tokens: int | None = None, chunked_prefill: bool = True) -> dict:
+             max_num_batched_tokens: int | None = None, chunked_prefill: bool = True, itls: bool = True) -> dict:
     """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py).
-    Every node runs the profiled node's settings, with the token budget and chunking given here."""
+    Every node runs the profiled node's settings, with the token budget and chunking given here;
+    itls=False leaves the per-token gaps out (the planner reads TTFT and TPOT only)."""
     sim = Simulation(profile)
     batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill)
     proxy = Proxy(sim, setup, policy, transport, batching)
@@ -258,8 +383,8 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
         trackers.append(tracker)
         sim.at(t, lambda rid=rid, req=req, tracker=tracker: proxy.arrive(rid, req, tracker))
     sim.run()
-    results = [tr.result() for tr in trackers]
-    duration = max((tr.token_times[-1] for tr in trackers if tr.token_times), default=0.0)
+    results = [tr.result(itls) for tr in trackers]
+    duration = max((tr.last for tr in trackers if tr.first is not None), default=0.0)
     summary = summarize(results, duration, slos)
     summary.update({"setup": f"{setup.mode}:{setup.prefill}P{setup.decode}D" if setup.mode != "colocated"
                     else f"colocated:{setup.decode}", "policy": policy, "simulated": True,

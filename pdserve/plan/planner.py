@@ -1,0 +1,168 @@
+"""`pdserve plan`: the fewest nodes that serve a load within SLOs, searched with the simulator.
+
+    pdserve plan --profile profile.json --dataset mixed --rate 40 --goodput ttft:8000 tpot:60
+                 [--attainment 0.9] [--max-nodes 1000]
+
+Setups are families of a unit repeated k times: colocated nodes (with or without chunked
+prefill), and pull or push units of x P and y D nodes for the P:D ratios of RATIOS. For each
+family the planner finds the smallest k whose simulated SLO attainment reaches the target
+(attainment grows with k), by bisection between 1 and --max-nodes.
+
+A cluster of k units is simulated as one unit that receives every k-th request: the proxy's
+round robin hands each node every (k * its count)-th request, so a unit sees the load's arrivals
+thinned k times, i.e. gamma gaps of shape k (with Poisson arrivals) at rate / k. That keeps a
+1,000-node question as cheap as a one-unit one; what it leaves out is the proxy's least-loaded
+choice across units (round robin is what the unit sees).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdserve.plan.profile import Profile
+from pdserve.plan.simulator import Setup, simulate
+from pdserve.workload import BenchRequest
+
+RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 3), (1, 4), (1, 6))
+MAX_NODES = 1000
+
+
+@dataclass(frozen=True)
+class Family:
+    """A unit that a cluster repeats: `prefill` P and `decode` D nodes, or `decode` colocated ones."""
+
+    mode: str
+    prefill: int
+    decode: int
+    chunked: bool = True
+
+    @property
+    def unit_nodes(self) -> int:
+        return self.prefill + self.decode
+
+    def setup(self, units: int) -> str:
+        """The whole cluster, as `pdserve simulate --setup` and `pdserve up` name it."""
+        if self.mode == "colocated":
+            return f"colocated:{units * self.decode}" + ("" if self.chunked else " (no chunked prefill)")
+        return f"{self.mode}:{units * self.prefill}P{units * self.decode}D"
+
+    @property
+    def name(self) -> str:
+        if self.mode == "colocated":
+            return "colocated" + ("" if self.chunked else ", no chunked prefill")
+        return f"{self.mode} {self.prefill}P:{self.decode}D"
+
+
+def families() -> list[Family]:
+    out = [Family("colocated", 0, 1), Family("colocated", 0, 1, chunked=False)]
+    for mode in ("pull", "push"):
+        out += [Family(mode, p, d) for p, d in RATIOS]
+    return out
+
+
+@dataclass
+class Choice:
+    """A family at its smallest passing size (or at the largest size tried, if none passed)."""
+
+    family: Family
+    units: int
+    meets: bool
+    summary: dict
+
+    @property
+    def nodes(self) -> int:
+        return self.units * self.family.unit_nodes
+
+    def goodput(self, rate: float) -> float:
+        """Requests per second that meet the SLOs, for the whole cluster."""
+        return rate * self.summary["slo_attainment"]
+
+
+class Planner:
+    def __init__(self, profile: Profile, requests: list[BenchRequest], rate: float, slos: dict[str, float],
+                 attainment: float, max_nodes: int, seed: int = 0) -> None:
+        if not slos:
+            raise ValueError("--goodput: give the SLOs to plan for, e.g. ttft:2000 tpot:60")
+        if not 0 < attainment <= 1:
+            raise ValueError(f"--attainment {attainment}: expected a fraction in (0, 1], e.g. 0.9")
+        if not 1 <= max_nodes <= MAX_NODES:
+            raise ValueError(f"--max-nodes {max_nodes}: expected 1 to {MAX_NODES}")
+        if not rate > 0 or rate == float("inf"):
+            raise ValueError(f"--rate {rate}: expected a finite number of requests per second > 0")
+        self.profile, self.requests, self.rate, self.slos = profile, requests, rate, slos
+        self.attainment, self.max_nodes, self.seed = attainment, max_nodes, seed
+        self.simulated_requests = 0
+
+    def evaluate(self, family: Family, units: int) -> dict:
+        """One unit's summary when the cluster has `units` of them (see the module's docstring)."""
+        self.simulated_requests += len(self.requests)
+        setup = Setup(family.mode, family.prefill, family.decode)
+        return simulate(self.profile, setup, self.requests, self.rate / units, float(units), self.seed, self.slos,
+                        chunked_prefill=family.chunked, itls=False)
+
+    def smallest(self, family: Family) -> Choice | None:
+        """The family's smallest passing size; a failing Choice at the largest size; None if no unit fits."""
+        top = self.max_nodes // family.unit_nodes
+        if top < 1:
+            return None
+        summary = self.evaluate(family, top)
+        if summary["slo_attainment"] < self.attainment:
+            return Choice(family, top, False, summary)
+        lo, hi, best = 1, top, summary  # invariant: hi passes
+        while lo < hi:
+            mid = (lo + hi) // 2
+            summary = self.evaluate(family, mid)
+            if summary["slo_attainment"] >= self.attainment:
+                hi, best = mid, summary
+            else:
+                lo = mid + 1
+        return Choice(family, hi, True, best)
+
+    def plan(self) -> dict:
+        start = time.perf_counter()
+        choices = [c for c in (self.smallest(f) for f in families()) if c is not None]
+        passing = sorted((c for c in choices if c.meets), key=lambda c: (c.nodes, -c.summary["slo_attainment"]))
+        return {"rate": self.rate, "slos_ms": self.slos, "attainment": self.attainment, "max_nodes": self.max_nodes,
+                "num_prompts": len(self.requests), "pick": row(passing[0], self.rate) if passing else None,
+                "setups": [row(c, self.rate) for c in sorted(choices, key=lambda c: (not c.meets, c.nodes))],
+                "simulated_requests": self.simulated_requests, "seconds": time.perf_counter() - start}
+
+
+def row(choice: Choice, rate: float) -> dict:
+    s = choice.summary
+    return {"family": choice.family.name, "setup": choice.family.setup(choice.units), "nodes": choice.nodes,
+            "meets": choice.meets, "slo_attainment": s["slo_attainment"], "goodput": choice.goodput(rate),
+            "goodput_per_node": choice.goodput(rate) / choice.nodes, "median_ttft_ms": s["median_ttft_ms"],
+            "p99_ttft_ms": s["p99_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"], "p99_tpot_ms": s["p99_tpot_ms"]}
+
+
+def report(result: dict, profile_path: str) -> str:
+    slos = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in result["slos_ms"].items())
+    lines = [f"plan for {result['rate']:g} req/s, {slos}, attainment >= {result['attainment'] * 100:g} %, "
+             f"at most {result['max_nodes']} nodes (profile {profile_path}; {result['simulated_requests']:,} "
+             f"requests simulated in {result['seconds']:.1f} s)", "",
+             f"{'setup':32s} {'nodes':>5s} {'attain':>7s} {'goodput/node':>12s} {'p50 TTFT':>9s} {'p99 TTFT':>9s} "
+             f"{'p50 TPOT':>9s} {'p99 TPOT':>9s}"]
+    for r in result["setups"]:
+        mark = "" if r["meets"] else "  (misses the SLOs even at this size)"
+        lines.append(f"{r['setup']:32s} {r['nodes']:5d} {r['slo_attainment'] * 100:6.1f}% {r['goodput_per_node']:12.3f} "
+                     f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} {r['median_tpot_ms']:9.1f} "
+                     f"{r['p99_tpot_ms']:9.1f}{mark}")
+    lines.append("")
+    pick = result["pick"]
+    if pick:
+        lines.append(f"cheapest: {pick['setup']} ({pick['nodes']} nodes, {pick['family']}), "
+                     f"attainment {pick['slo_attainment'] * 100:.1f} %")
+    else:
+        best = max(result["setups"], key=lambda r: r["slo_attainment"], default=None)
+        lines.append(no_setup_meets(result, best))
+    return "\n".join(lines)
+
+
+def no_setup_meets(result: dict, best: dict | None) -> str:
+    head = f"no setup of at most {result['max_nodes']} nodes meets the SLOs at {result['rate']:g} req/s"
+    if best is None:
+        return head
+    return (f"{head}: the closest, {best['setup']}, reaches {best['slo_attainment'] * 100:.1f} % "
+            f"(p99 TTFT {best['p99_ttft_ms']:.0f} ms, p99 TPOT {best['p99_tpot_ms']:.1f} ms)")

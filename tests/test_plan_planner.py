@@ -1,0 +1,83 @@
+"""`pdserve plan`: the smallest passing size per family, the unit decomposition against a whole
+simulated cluster, and bad input answered in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_plan_simulator import known_profile
+
+from pdserve.plan.planner import Family, Planner
+from pdserve.plan.simulator import Setup, simulate
+from pdserve.workload import mixed_dataset
+
+SLOS = {"ttft_ms": 3000.0, "tpot_ms": 60.0}
+
+
+def requests(n: int = 600):
+    return mixed_dataset(n, seed=3, long_fraction=0.1, short=(128, 64), long=(1024, 32))
+
+
+def test_each_family_gets_its_smallest_passing_size():
+    planner = Planner(known_profile(), requests(), 6.0, SLOS, 0.9, 16)
+    result = planner.plan()
+    assert result["pick"] is not None and result["pick"]["meets"]
+    assert result["pick"]["nodes"] == min(r["nodes"] for r in result["setups"] if r["meets"])
+    for family in (Family("colocated", 0, 1), Family("pull", 1, 2)):
+        choice = planner.smallest(family)
+        assert choice.meets and choice.summary["slo_attainment"] >= 0.9
+        if choice.units > 1:  # one unit fewer misses the target: the size is the smallest
+            assert planner.evaluate(family, choice.units - 1)["slo_attainment"] < 0.9
+
+
+def test_a_unit_with_thinned_arrivals_predicts_the_whole_round_robin_cluster():
+    reqs, rate, units = requests(1200), 8.0, 4
+    whole = simulate(known_profile(), Setup.parse(f"pull:{units}P{2 * units}D"), reqs, rate, 1.0, 0, SLOS, itls=False)
+    unit = Planner(known_profile(), reqs[: len(reqs) // units], rate, SLOS, 0.9, 64).evaluate(Family("pull", 1, 2), units)
+    assert unit["slo_attainment"] == pytest.approx(whole["slo_attainment"], abs=0.08)
+    assert unit["median_ttft_ms"] == pytest.approx(whole["median_ttft_ms"], rel=0.15)
+    assert unit["median_tpot_ms"] == pytest.approx(whole["median_tpot_ms"], rel=0.15)
+
+
+def test_bad_planner_arguments_are_named():
+    for kwargs, message in (({"attainment": 1.5}, "--attainment"), ({"max_nodes": 5000}, "--max-nodes"),
+                            ({"rate": 0.0}, "--rate"), ({"slos": {}}, "--goodput")):
+        args = {"profile": known_profile(), "requests": requests(10), "rate": 1.0, "slos": SLOS, "attainment": 0.9,
+                "max_nodes": 8} | kwargs
+        with pytest.raises(ValueError, match=message):
+            Planner(**args)
+
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_plan_cli_answers_and_refuses_bad_input(tmp_path):
+    profile = tmp_path / "profile.json"
+    known = known_profile()
+    known.meta["model"] = "SmolLM2-135M-Instruct.Q4_1-abc"
+    known.save(profile)
+    out = tmp_path / "plan.json"
+    common = ["--profile", str(profile), "--dataset", "mixed", "--num-prompts", "300"]
+    ok = plan_cli(*common, "--rate", "2", "--goodput", "ttft:5000", "tpot:100", "--max-nodes", "8", "--out", str(out))
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(out.read_text())
+    assert "cheapest: " + data["pick"]["setup"] in ok.stdout
+    assert {r["family"] for r in data["setups"]} >= {"colocated", "colocated, no chunked prefill", "pull 1P:1D",
+                                                     "push 1P:3D"}
+    assert all(r["meets"] for r in data["setups"] if r["family"].startswith("colocated"))
+
+    impossible = plan_cli(*common, "--rate", "4", "--goodput", "ttft:1", "--max-nodes", "4")
+    assert impossible.returncode == 1
+    assert "no setup of at most 4 nodes meets the SLOs at 4 req/s: the closest" in impossible.stdout
+
+    other_model = plan_cli(*common, "--model", "Qwen", "--rate", "1", "--goodput", "ttft:3000")
+    assert other_model.returncode == 2 and "not of 'Qwen'" in other_model.stderr
+    not_profile = tmp_path / "bench.json"
+    not_profile.write_text(json.dumps({"completed": 3}))
+    wrong = plan_cli("--profile", str(not_profile), "--rate", "1", "--goodput", "ttft:3000")
+    assert wrong.returncode == 2 and "not a pdserve profile (no meta, prefill_chunk" in wrong.stderr
