@@ -61,13 +61,16 @@ def test_pull_adds_the_transfer_and_the_decode_nodes_recompute_of_the_last_token
 
 def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
     profile = known_profile()
-    profile.serving = {"request_s": 0.050, "step_s": 0.002}
+    profile.serving = {"request_s": 0.050, "stream_s": 0.030, "step_s": 0.002}
     colocated = run("colocated:1", [BenchRequest([0], 100, 3)], profile=profile)
-    assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002)
+    assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002 + 0.030)
     assert colocated["itls"][0] == pytest.approx([0.020 + 0.002 + 0.005 + 101e-5, 0.020 + 0.002 + 0.005 + 102e-5])
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's after the transfer
     transfer = 0.002 + 100 * KV_BYTES * 1e-9
-    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + (0.011 + 0.002))
+    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + (0.011 + 0.002) + 0.030)
+    push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # D's hop overlaps P's prefill
+    last_layer = 0.002 + 10 * KV_BYTES * 1e-9
+    assert push["ttfts"][0] == pytest.approx(0.050 + (0.110 + 0.002) + last_layer + (0.011 + 0.002) + 0.030)
 
 
 def test_new_work_cuts_a_decode_run_at_the_step_in_progress():

@@ -132,13 +132,19 @@ def one_start(dtype: str, model: str | None = None, probes: int = 0) -> dict:
         time.sleep(1.0)
         out = {"startup_s": ready_s, "idle_rss_mib": rss_mib(node.proc.pid)}
         if probes:
-            timings = [streamed_timings(node.url, prompt) for prompt in random_prompts(probes + 1, PROBE_PROMPT, 77)]
+            timings = [probe(node.url, prompt) for prompt in random_prompts(probes + 1, PROBE_PROMPT, 77)]
             out["probes"] = timings[1:]
         return out
 
 
-def streamed_timings(url: str, prompt: list[int]) -> dict:
-    """TTFT and TPOT of one streamed completion of PROBE_TOKENS tokens, as a client sees them."""
+def probe(url: str, prompt: list[int]) -> dict:
+    """As a client sees them: the latency of a one-token answer not streamed (how the proxy asks a
+    P node), then TTFT and TPOT of a streamed completion of PROBE_TOKENS tokens (another prompt
+    of the same length: the same one would hit the prefix cache)."""
+    body = {"prompt": prompt[::-1], "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+    reply_s = time.perf_counter() - start
     body = {"prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
     times = []
     start = time.perf_counter()
@@ -149,7 +155,7 @@ def streamed_timings(url: str, prompt: list[int]) -> dict:
                 times.append(time.perf_counter())
     if len(times) < 2:
         raise RuntimeError(f"probe: {len(times)} streamed chunks for {PROBE_TOKENS} tokens")
-    return {"prompt_tokens": len(prompt), "ttft_s": times[0] - start,
+    return {"prompt_tokens": len(prompt), "reply_s": reply_s, "ttft_s": times[0] - start,
             "tpot_s": (times[-1] - times[0]) / (PROBE_TOKENS - 1)}
 
 

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 DECODE_FEATURES = ["one", "seqs", "kv_tokens"]
 TRANSFER_FEATURES = ["one", "bytes"]
+NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}  # a profile from before they were measured = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}
 
 
 @dataclass
@@ -76,9 +77,10 @@ class Profile:
     transfer: dict[str, LinearFit]  # transport -> fit
     startup_s: float
     samples: dict = field(default_factory=dict)  # the raw measurements each fit was made on
-    # What serving over HTTP adds to the engine's costs, from streamed probes of one idle node:
-    # request_s per request hop (client or proxy -> node -> first token out), step_s per step.
-    serving: dict = field(default_factory=lambda: {"request_s": 0.0, "step_s": 0.0})
+    # What serving over HTTP adds to the engine's costs, from probes of one idle node: request_s
+    # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
+    # for streaming the tokens to the client (the first arrives that much later), step_s per step.
+    serving: dict = field(default_factory=lambda: dict(NO_SERVING))
 
     def prefill_time(self, prompt_tokens: int, chunk_size: int, cached_tokens: int = 0) -> float:
         """Predicted seconds to prefill a prompt in chunks of `chunk_size` after `cached_tokens`."""
@@ -125,7 +127,7 @@ class Profile:
                              f"not of {model!r}")
         return cls(data["meta"], LinearFit.from_dict(data["prefill_chunk"]), LinearFit.from_dict(data["decode_step"]),
                    {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
-                   data.get("samples", {}), data.get("serving", {"request_s": 0.0, "step_s": 0.0}))
+                   data.get("samples", {}), {**NO_SERVING, **data.get("serving", {})})
 
 
 def chunk_features(tokens: int, context_before: int) -> dict[str, float]:
@@ -252,12 +254,14 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
 
 
 def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
-    """Medians of what a client saw beyond the engine's fitted costs: TTFT minus the prompt's
-    prefill step, TPOT minus a one-sequence decode step at the probe's mean context."""
+    """Medians of what a client saw beyond the engine's fitted costs: the one-token answer's
+    latency minus the prompt's prefill step; streamed TTFT minus that latency; TPOT minus a
+    one-sequence decode step at the probe's mean context."""
     mid_context = PROBE_PROMPT + PROBE_TOKENS // 2
-    request = statistics.median(p["ttft_s"] - profile.prefill_chunk_time(p["prompt_tokens"], 0) for p in probes)
+    request = statistics.median(p["reply_s"] - profile.prefill_chunk_time(p["prompt_tokens"], 0) for p in probes)
+    stream = statistics.median(p["ttft_s"] - p["reply_s"] for p in probes)
     step = statistics.median(p["tpot_s"] - profile.decode_step_time(1, mid_context) for p in probes)
-    return {"request_s": max(request, 0.0), "step_s": max(step, 0.0)}
+    return {"request_s": max(request, 0.0), "stream_s": max(stream, 0.0), "step_s": max(step, 0.0)}
 
 
 def describe(profile: Profile) -> str:
@@ -277,7 +281,8 @@ def describe(profile: Profile) -> str:
         lines.append(f"  transfer {transport:4s} = {f.coefficients[0] * 1e3:.2f} ms + bytes / {bandwidth:.2f} GB/s   "
                      f"(error mean {f.mean_rel_error:.1%}, max {f.max_rel_error:.1%})")
     lines.append(f"  node start-up = {profile.startup_s:.1f} s")
-    lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop and "
+    lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop, "
+                 f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
     lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
                  f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")

@@ -14,8 +14,9 @@ What it models, as pdserve does it:
   simulating grows with requests, not with tokens;
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for
   each chunk, plus what the server adds per step; each HTTP hop to a node (one colocated, P's and
-  D's in pull, P's in push) adds the profile's per-request serving cost; transfers: the
-  profile's fit for the transport.
+  D's in pull, P's in push, where D had the request during the prefill) adds the profile's
+  per-request serving cost, and streaming delays every token the client sees by its stream cost;
+  transfers: the profile's fit for the transport.
 
 It returns the fields `pdserve bench --out` writes (pdserve/workload.py: summarize), so a
 simulated and a measured run compare key by key.
@@ -92,13 +93,14 @@ class Costs:
     step_kv: float
     step_serving: float  # what the server adds to every step (profile.serving)
     request_hop: float  # what one HTTP hop adds before a node starts a request
+    stream_delay: float  # how much later than the engine the client sees a streamed token
 
     @classmethod
     def of(cls, profile: Profile) -> Costs:
         p = dict(zip(profile.prefill_chunk.features, profile.prefill_chunk.coefficients))
         d = dict(zip(profile.decode_step.features, profile.decode_step.coefficients))
         return cls(p["one"], p["tokens"], p["attention_pairs"], d["one"], d["seqs"], d["kv_tokens"],
-                   profile.serving["step_s"], profile.serving["request_s"])
+                   profile.serving["step_s"], profile.serving["request_s"], profile.serving["stream_s"])
 
     def chunk(self, tokens: int, context_before: int) -> float:
         return self.chunk_fixed + tokens * (self.chunk_token + self.chunk_pair * (context_before + tokens / 2))
@@ -311,14 +313,15 @@ class Tracker:
         self.gaps.append((first_step, growth, count))
         self.last, self.count = end, self.count + count
 
-    def result(self, itls: bool = True) -> RequestResult:
+    def result(self, itls: bool = True, delay: float = 0.0) -> RequestResult:
+        """`delay`: what streaming adds between the node and the client, to every token."""
         if self.first is None:  # never admitted: its prompt and output do not fit a node's KV pool
             return RequestResult(ok=False, input_len=self.request.input_len, start=self.arrival,
                                  error="does not fit the KV pool of any node")
         gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls else []
         return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
-                             output_len=self.count, ttft_ms=(self.first - self.arrival) * 1e3,
-                             e2el_ms=(self.last - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
+                             output_len=self.count, ttft_ms=(self.first + delay - self.arrival) * 1e3,
+                             e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
 
 
 class Proxy:
@@ -383,7 +386,7 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
         trackers.append(tracker)
         sim.at(t, lambda rid=rid, req=req, tracker=tracker: proxy.arrive(rid, req, tracker))
     sim.run()
-    results = [tr.result(itls) for tr in trackers]
+    results = [tr.result(itls, sim.costs.stream_delay) for tr in trackers]
     duration = max((tr.last for tr in trackers if tr.first is not None), default=0.0)
     summary = summarize(results, duration, slos)
     summary.update({"setup": f"{setup.mode}:{setup.prefill}P{setup.decode}D" if setup.mode != "colocated"
