@@ -60,7 +60,8 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     for fit in (profile.prefill_chunk, profile.decode_step):
         assert fit.mean_rel_error < 0.35, fit
     data = json.loads(out.read_text())
-    assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "serving"}
+    assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "speed", "serving"}
+    assert profile.speed["prefill_s"] > profile.speed["decode_s"] > 0  # a 512-token chunk against one decode step
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
     assert len(samples["serving_probes"]) == 6 and all(p["ttft_s"] > 0 for p in samples["serving_probes"])
     assert 0 <= profile.serving["request_s"] < 1.0 and 0 <= profile.serving["step_s"] < 0.1

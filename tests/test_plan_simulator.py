@@ -94,6 +94,17 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     assert a.result().output_len == 50 and b.result().output_len == 5 and node.reserved == 0
 
 
+def test_a_profile_scales_to_the_machines_speed_now():
+    profile = known_profile()
+    assert profile.at_speed({"prefill_s": 2.0, "decode_s": 2.0})[0] is profile  # no speed recorded: as measured
+    profile.speed = {"prefill_s": 0.5, "decode_s": 0.02}
+    slower, factors = profile.at_speed({"prefill_s": 0.6, "decode_s": 0.018})
+    assert factors == pytest.approx({"prefill": 1.2, "decode": 0.9})
+    assert slower.prefill_chunk_time(100, 0) == pytest.approx(1.2 * profile.prefill_chunk_time(100, 0))
+    assert slower.decode_step_time(4, 400) == pytest.approx(0.9 * profile.decode_step_time(4, 400))
+    assert slower.transfer == profile.transfer and slower.serving == profile.serving
+
+
 def test_without_chunked_prefill_a_prompt_takes_one_step_and_the_budget_grows_to_max_model_len():
     profile = known_profile()
     profile.meta["node"]["max_model_len"] = 4096

@@ -6,8 +6,10 @@
 First a fresh profile of this machine's engine (`pdserve profile`, one thread like each node; or
 the one given), then the SLOs of the study (benchmarks/study.py), then for each setup and rate the
 study's workload twice: for real (`pdserve up`, one core per node) and in the simulator with that
-profile (`--real-from` an earlier JSON simulates its real runs again, e.g. with a new profile).
-Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
+profile, scaled to the machine's speed around each setup's runs (a fixed piece of engine work
+timed before and after them, against the same work timed with the profile: this shared host's
+speed drifts by tens of percent within an hour). `--real-from` an earlier JSON simulates its real
+runs again, with its profile or --profile. Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
 relative to the real run, SLO attainment in points. Targets: medians and throughput within 10 %,
 attainment within 10 points.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +29,8 @@ from pathlib import Path
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import SETUPS, rate_workload, run_setup, study_slos
 from pdserve.config import EngineConfig
-from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
 from pdserve.plan.simulator import Setup, simulate
 from pdserve.platform import plan_kernels
 
@@ -103,6 +107,8 @@ def main() -> None:
     source.add_argument("--profile", default=None, help="use this profile instead of measuring a fresh one")
     source.add_argument("--quick-profile", action="store_true", help="measure the fresh profile with --quick")
     parser.add_argument("--out", default="docs/results/simcheck.json")
+    parser.add_argument("--no-track-speed", dest="track_speed", action="store_false",
+                        help="simulate with the profile as measured, not scaled to the machine's speed at each setup")
     parser.add_argument("--real-from", default=None, metavar="JSON",
                         help="take the real runs, rates and SLOs from an earlier simcheck JSON; simulate again")
     args = parser.parse_args()
@@ -110,9 +116,14 @@ def main() -> None:
     earlier = json.loads(Path(args.real_from).read_text()) if args.real_from else None
     if earlier:
         args.rates, args.seconds_per_rate, args.setups = earlier["rates"], earlier["seconds_per_rate"], list(earlier["setups"])
+        args.min_prompts = earlier.get("min_prompts", args.min_prompts)
 
     if args.profile:
         profile = Profile.load(args.profile)
+    elif earlier and not args.quick_profile:  # the profile that run measured
+        path = Path(args.out).with_name("simcheck_profile.json")
+        path.write_text(json.dumps(earlier["profile"]))
+        profile = Profile.load(path)
     else:  # measured alone on the machine, before any node starts
         points = ProfilePoints.quick() if args.quick_profile else ProfilePoints.full()
         profile = run_profile(EngineConfig(dtype=args.dtype, threads=1), points)
@@ -123,22 +134,38 @@ def main() -> None:
         idle, slos = study_slos(args.dtype, args.ttft_scale, args.tpot_scale)
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
 
+    source = args.profile or (earlier["profile_source"] if earlier else "fresh")
     res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "rates": args.rates,
-                 "seconds_per_rate": args.seconds_per_rate, "slos_ms": slos, "idle": idle,
-                 "profile": asdict(profile), "profile_source": args.profile or "fresh", "setups": {},
+                 "seconds_per_rate": args.seconds_per_rate, "min_prompts": args.min_prompts, "slos_ms": slos,
+                 "idle": idle, "profile": asdict(profile), "profile_source": source, "setups": {},
                  "real_from": earlier["date"] if earlier else None}
+    # The machine's speed now, before and after each setup's runs, against the profile's: a
+    # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
+    engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
     for key in args.setups:
         setup = SETUPS[key]
         if earlier:
-            real = earlier["setups"][key]["real"]
+            real, speed = earlier["setups"][key]["real"], earlier["setups"][key].get("speed", [])
         else:
+            seed = 10_000 * (1 + args.setups.index(key))  # fresh prompts for every speed_index
+            speed = [speed_index(engine, seed)] if engine else []
             real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos)
-        sim = simulated_points(profile, key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
+            speed += [speed_index(engine, seed + 1000)] if engine else []
+        now = {k: statistics.mean(s[k] for s in speed) for k in ("prefill_s", "decode_s")} if speed else {}
+        scaled, factors = profile.at_speed(now) if now else (profile, {"prefill": 1.0, "decode": 1.0})
+        print(f"[{key}] machine speed against the profile's: prefill x{factors['prefill']:.2f}, "
+              f"decode x{factors['decode']:.2f}", flush=True)
+        sim = simulated_points(scaled, key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
+        for point in real + sim:  # per-token gaps: megabytes, and their percentiles are in the summaries
+            point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
+                              "speed": speed, "speed_factors": factors,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
         for rate, err in zip(args.rates, res["setups"][key]["errors"]):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
+    if engine:
+        engine.close()
     all_errors = [e for s in res["setups"].values() for e in s["errors"]]
     res["within_targets"] = sum(within_targets(e) for e in all_errors)
     res["points"] = len(all_errors)
@@ -152,7 +179,7 @@ def finish(res: dict, args) -> None:
     plot(res, png)
     again = f"; real runs of {res['real_from']}, simulated again" if res.get("real_from") else ""
     body = (f"Command: `python -m pdserve.benchmarks.simcheck --rates {' '.join(f'{r:g}' for r in res['rates'])} "
-            f"--seconds-per-rate {res['seconds_per_rate']:g}` ({res['date']}, {res['dtype']}, profile: "
+            f"--seconds-per-rate {res['seconds_per_rate']:g} --min-prompts {res['min_prompts']}` ({res['date']}, {res['dtype']}, profile: "
             f"{res['profile_source']}{again}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
             f"TPOT {res['slos_ms']['tpot_ms']:.0f} ms. Errors are (simulated - real) / real; attainment in points.\n\n"
             f"{table(res)}\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "

@@ -23,7 +23,7 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -77,6 +77,9 @@ class Profile:
     transfer: dict[str, LinearFit]  # transport -> fit
     startup_s: float
     samples: dict = field(default_factory=dict)  # the raw measurements each fit was made on
+    # A few seconds of fixed work timed right after the fits (speed_index): running it again later
+    # says how much faster or slower the machine runs now (see at_speed).
+    speed: dict = field(default_factory=dict)
     # What serving over HTTP adds to the engine's costs, from probes of one idle node: request_s
     # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
     # for streaming the tokens to the client (the first arrives that much later), step_s per step.
@@ -127,7 +130,21 @@ class Profile:
                              f"not of {model!r}")
         return cls(data["meta"], LinearFit.from_dict(data["prefill_chunk"]), LinearFit.from_dict(data["decode_step"]),
                    {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
-                   data.get("samples", {}), {**NO_SERVING, **data.get("serving", {})})
+                   data.get("samples", {}), data.get("speed", {}), {**NO_SERVING, **data.get("serving", {})})
+
+    def at_speed(self, now: dict) -> tuple[Profile, dict]:
+        """This profile with its prefill and decode costs scaled by how much slower (> 1) the
+        machine runs `now` (speed_index) than when it was profiled: shared hosts drift by tens of
+        percent within an hour. Returns (profile, factors); unchanged without a recorded speed."""
+        if not self.speed:
+            return self, {"prefill": 1.0, "decode": 1.0}
+        factors = {k: now[f"{k}_s"] / self.speed[f"{k}_s"] for k in ("prefill", "decode")}
+
+        def scaled(fit: LinearFit, factor: float) -> LinearFit:
+            return replace(fit, coefficients=[c * factor for c in fit.coefficients])
+
+        return replace(self, prefill_chunk=scaled(self.prefill_chunk, factors["prefill"]),
+                       decode_step=scaled(self.decode_step, factors["decode"])), factors
 
 
 def chunk_features(tokens: int, context_before: int) -> dict[str, float]:
@@ -165,6 +182,19 @@ def measure_prefill(engine: LLMEngine, points: ProfilePoints, seed: int) -> list
                 samples.append({"tokens": tokens, "context_before": before, "chunk_size": chunk,
                                 "prompt_tokens": length, "seconds": elapsed})
     return samples
+
+
+def speed_index(engine: LLMEngine, seed: int = 7) -> dict:
+    """Seconds of fixed work, best of three after a warm-up: one 512-token prefill chunk, and a
+    decode step of 4 sequences at 256 tokens (median of its steps). Each call needs its own
+    `seed`: prompts seen before would be prefix-cache hits."""
+    few = ProfilePoints([512], [512], [4], [256], 4, 8192, [], 0)
+    capacity = engine.block_manager.num_blocks * engine.config.block_size
+    measure_prefill(engine, few, seed + 50)  # warm-up
+    prefill = min(measure_prefill(engine, few, seed + i)[0]["seconds"] for i in range(3))
+    decode = min(statistics.median(s["seconds"] for s in measure_decode(engine, few, seed + 10 + 10 * i, capacity))
+                 for i in range(3))
+    return {"prefill_s": prefill, "decode_s": decode}
 
 
 def node_limits(engine: LLMEngine) -> dict:
@@ -226,6 +256,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         _run_timed(engine)
         prefill = measure_prefill(engine, points, seed)
         decode = measure_decode(engine, points, seed + 1000, node["kv_capacity_tokens"])
+        speed = speed_index(engine, seed + 2000)
         labels = engine.labels()
         model = engine.model_dir.name
     finally:
@@ -249,6 +280,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, statistics.median(s["startup_s"] for s in starts),
                       {"prefill": prefill, "decode": decode, "transfer": transfers,
                        "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]})
+    profile.speed = speed
     profile.serving = serving_overheads(profile, starts[0]["probes"])
     return profile
 
