@@ -170,7 +170,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-
     from pdserve.benchmarks.serving import publish_run
     from pdserve.plan.profile import Profile
     from pdserve.plan.simulator import Setup, simulate
@@ -329,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
     plan.add_argument("--max-nodes", type=int, default=64, help="the largest cluster to consider (up to 1000)")
     add_dataset_args(plan, num_prompts=2000)
+    plan.set_defaults(dataset="mixed")
     plan.add_argument("--out", default=None, help="write every setup's figures as JSON here")
     plan.set_defaults(func=cmd_plan)
 

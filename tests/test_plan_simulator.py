@@ -96,10 +96,11 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
 
 def test_a_profile_scales_to_the_machines_speed_now():
     profile = known_profile()
-    assert profile.at_speed({"prefill_s": 2.0, "decode_s": 2.0})[0] is profile  # no speed recorded: as measured
+    assert profile.speed_factors({"prefill_s": 2.0, "decode_s": 2.0}) == {"prefill": 1.0, "decode": 1.0}  # no record
     profile.speed = {"prefill_s": 0.5, "decode_s": 0.02}
-    slower, factors = profile.at_speed({"prefill_s": 0.6, "decode_s": 0.018})
+    factors = profile.speed_factors({"prefill_s": 0.6, "decode_s": 0.018})
     assert factors == pytest.approx({"prefill": 1.2, "decode": 0.9})
+    slower = profile.scaled(factors)
     assert slower.prefill_chunk_time(100, 0) == pytest.approx(1.2 * profile.prefill_chunk_time(100, 0))
     assert slower.decode_step_time(4, 400) == pytest.approx(0.9 * profile.decode_step_time(4, 400))
     assert slower.transfer == profile.transfer and slower.serving == profile.serving

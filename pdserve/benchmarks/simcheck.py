@@ -6,9 +6,10 @@
 First a fresh profile of this machine's engine (`pdserve profile`, one thread like each node; or
 the one given), then the SLOs of the study (benchmarks/study.py), then for each setup and rate the
 study's workload twice: for real (`pdserve up`, one core per node) and in the simulator with that
-profile, scaled to the machine's speed around each setup's runs (a fixed piece of engine work
-timed before and after them, against the same work timed with the profile: this shared host's
-speed drifts by tens of percent within an hour). `--real-from` an earlier JSON simulates its real
+profile. The profile gives the costs' shape; their level comes from the idle node the study
+measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
+machine's drift from setup to setup (a fixed piece of engine work timed before and after each
+setup's runs: this shared host's speed drifts by tens of percent within an hour). `--real-from` an earlier JSON simulates its real
 runs again, with its profile or --profile. Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
 relative to the real run, SLO attainment in points. Targets: medians and throughput within 10 %,
 attainment within 10 points.
@@ -27,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.study import SETUPS, rate_workload, run_setup, study_slos
+from pdserve.benchmarks.study import LONG_INPUT, SETUPS, SHORT_INPUT, SHORT_OUTPUT, rate_workload, run_setup, study_slos
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
@@ -55,6 +56,20 @@ def simulated_points(profile: Profile, key: str, rates: list[float], seconds_per
     return [simulate(profile, Setup.parse(setup.simulated), rate_workload(i, rate, seconds_per_rate, min_prompts),
                      rate, 1.0, i, slos, max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked)
             for i, rate in enumerate(rates)]
+
+
+def idle_level(profile: Profile, idle: dict) -> dict[str, float]:
+    """Measured / predicted for the idle node the study measures before the runs (one `pdserve
+    serve`, pinned, over HTTP): its 2048-token TTFT sets the level of prefill costs, its lone
+    decode step (a 128 -> 128 request) that of decode steps. The profile keeps the shape (how costs
+    grow with tokens, sequences, context): the in-process engine it was measured on ran 20-25 %
+    off the served nodes on this host, in either direction."""
+    serving = profile.serving
+    budget = profile.meta["node"]["max_num_batched_tokens"]
+    long_ttft = (profile.prefill_time(LONG_INPUT, budget) + serving["request_s"] + serving["stream_s"]
+                 + serving["step_s"] * -(-LONG_INPUT // budget))
+    step = profile.decode_step_time(1, SHORT_INPUT + SHORT_OUTPUT // 2) + serving["step_s"]
+    return {"prefill": idle["ttft_long_ms"] / 1e3 / long_ttft, "decode": idle["decode_step_ms"] / 1e3 / step}
 
 
 def table(res: dict) -> str:
@@ -109,6 +124,8 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/simcheck.json")
     parser.add_argument("--no-track-speed", dest="track_speed", action="store_false",
                         help="simulate with the profile as measured, not scaled to the machine's speed at each setup")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="do not set the costs' level from the idle node measured before the runs")
     parser.add_argument("--real-from", default=None, metavar="JSON",
                         help="take the real runs, rates and SLOs from an earlier simcheck JSON; simulate again")
     args = parser.parse_args()
@@ -142,6 +159,8 @@ def main() -> None:
     # The machine's speed now, before and after each setup's runs, against the profile's: a
     # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
     engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
+    level, first_drift = idle_level(profile, idle), None
+    res["idle_level"] = level
     for key in args.setups:
         setup = SETUPS[key]
         if earlier:
@@ -152,14 +171,16 @@ def main() -> None:
             real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos)
             speed += [speed_index(engine, seed + 1000)] if engine else []
         now = {k: statistics.mean(s[k] for s in speed) for k in ("prefill_s", "decode_s")} if speed else {}
-        scaled, factors = profile.at_speed(now) if now else (profile, {"prefill": 1.0, "decode": 1.0})
-        print(f"[{key}] machine speed against the profile's: prefill x{factors['prefill']:.2f}, "
-              f"decode x{factors['decode']:.2f}", flush=True)
-        sim = simulated_points(scaled, key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
+        drift = profile.speed_factors(now) if now else {"prefill": 1.0, "decode": 1.0}
+        first_drift = first_drift or drift  # the idle node was measured just before the first setup
+        factors = {k: level[k] * drift[k] / first_drift[k] for k in level} if args.calibrate else drift
+        print(f"[{key}] costs scaled by prefill x{factors['prefill']:.2f}, decode x{factors['decode']:.2f} "
+              f"(machine drift against the profile: x{drift['prefill']:.2f}, x{drift['decode']:.2f})", flush=True)
+        sim = simulated_points(profile.scaled(factors), key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
         for point in real + sim:  # per-token gaps: megabytes, and their percentiles are in the summaries
             point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
-                              "speed": speed, "speed_factors": factors,
+                              "speed": speed, "drift": drift, "cost_factors": factors,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
         for rate, err in zip(args.rates, res["setups"][key]["errors"]):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
@@ -182,7 +203,10 @@ def finish(res: dict, args) -> None:
             f"--seconds-per-rate {res['seconds_per_rate']:g} --min-prompts {res['min_prompts']}` ({res['date']}, {res['dtype']}, profile: "
             f"{res['profile_source']}{again}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
             f"TPOT {res['slos_ms']['tpot_ms']:.0f} ms. Errors are (simulated - real) / real; attainment in points.\n\n"
-            f"{table(res)}\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
+            f"{table(res)}\n\nCost factors (prefill, decode) per setup, idle level x drift: "
+            + ", ".join(f"({k}) x{v['cost_factors']['prefill']:.2f} / x{v['cost_factors']['decode']:.2f}"
+                        for k, v in res["setups"].items())
+            + f".\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
             f"throughput within 10 %, attainment within 10 points).\n\n![simulated against real]({png.name})")
     publish(res, str(out), "simcheck", "Simulator against real runs (simcheck)", body)
 

@@ -78,7 +78,7 @@ class Profile:
     startup_s: float
     samples: dict = field(default_factory=dict)  # the raw measurements each fit was made on
     # A few seconds of fixed work timed right after the fits (speed_index): running it again later
-    # says how much faster or slower the machine runs now (see at_speed).
+    # says how much faster or slower the machine runs now (speed_factors).
     speed: dict = field(default_factory=dict)
     # What serving over HTTP adds to the engine's costs, from probes of one idle node: request_s
     # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
@@ -132,19 +132,20 @@ class Profile:
                    {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
                    data.get("samples", {}), data.get("speed", {}), {**NO_SERVING, **data.get("serving", {})})
 
-    def at_speed(self, now: dict) -> tuple[Profile, dict]:
-        """This profile with its prefill and decode costs scaled by how much slower (> 1) the
-        machine runs `now` (speed_index) than when it was profiled: shared hosts drift by tens of
-        percent within an hour. Returns (profile, factors); unchanged without a recorded speed."""
+    def speed_factors(self, now: dict) -> dict[str, float]:
+        """How much slower (> 1) prefill and decode run `now` (speed_index) than when this profile
+        was measured: shared hosts drift by tens of percent within an hour. 1.0 without a record."""
         if not self.speed:
-            return self, {"prefill": 1.0, "decode": 1.0}
-        factors = {k: now[f"{k}_s"] / self.speed[f"{k}_s"] for k in ("prefill", "decode")}
+            return {"prefill": 1.0, "decode": 1.0}
+        return {k: now[f"{k}_s"] / self.speed[f"{k}_s"] for k in ("prefill", "decode")}
 
-        def scaled(fit: LinearFit, factor: float) -> LinearFit:
+    def scaled(self, factors: dict[str, float]) -> Profile:
+        """This profile with its prefill-chunk and decode-step costs multiplied by `factors`."""
+        def times(fit: LinearFit, factor: float) -> LinearFit:
             return replace(fit, coefficients=[c * factor for c in fit.coefficients])
 
-        return replace(self, prefill_chunk=scaled(self.prefill_chunk, factors["prefill"]),
-                       decode_step=scaled(self.decode_step, factors["decode"])), factors
+        return replace(self, prefill_chunk=times(self.prefill_chunk, factors["prefill"]),
+                       decode_step=times(self.decode_step, factors["decode"]))
 
 
 def chunk_features(tokens: int, context_before: int) -> dict[str, float]:

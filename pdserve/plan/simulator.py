@@ -296,21 +296,22 @@ class Tracker:
 
     request: BenchRequest
     arrival: float
+    gaps: list[tuple[float, float, int]] | None = field(default_factory=list)  # None: not kept
     first: float | None = None
     last: float = 0.0
     count: int = 0
-    gaps: list[tuple[float, float, int]] = field(default_factory=list)
 
     def token(self, time: float) -> None:
         if self.first is None:
             self.first = time
-        else:
+        elif self.gaps is not None:
             self.gaps.append((time - self.last, 0.0, 1))
         self.last, self.count = time, self.count + 1
 
     def steps(self, end: float, first_step: float, growth: float, count: int) -> None:
         """`count` tokens from back-to-back decode steps ending at `end` (the first token came before)."""
-        self.gaps.append((first_step, growth, count))
+        if self.gaps is not None:
+            self.gaps.append((first_step, growth, count))
         self.last, self.count = end, self.count + count
 
     def result(self, itls: bool = True, delay: float = 0.0) -> RequestResult:
@@ -318,7 +319,7 @@ class Tracker:
         if self.first is None:  # never admitted: its prompt and output do not fit a node's KV pool
             return RequestResult(ok=False, input_len=self.request.input_len, start=self.arrival,
                                  error="does not fit the KV pool of any node")
-        gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls else []
+        gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls and self.gaps else []
         return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
                              output_len=self.count, ttft_ms=(self.first + delay - self.arrival) * 1e3,
                              e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
@@ -382,7 +383,7 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     t = 0.0
     for rid, (req, gap) in enumerate(zip(requests, arrival_gaps(len(requests), rate, burstiness, seed))):
         t += gap
-        tracker = Tracker(req, t)
+        tracker = Tracker(req, t, [] if itls else None)
         trackers.append(tracker)
         sim.at(t, lambda rid=rid, req=req, tracker=tracker: proxy.arrive(rid, req, tracker))
     sim.run()
