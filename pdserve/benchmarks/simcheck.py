@@ -1,6 +1,6 @@
 """The simulator against real runs: the study's setups on this machine, measured and simulated.
 
-    python -m pdserve.benchmarks.simcheck [--rates 0.25 0.5 1.0] [--seconds-per-rate 40] [--setups a b c d]
+    python -m pdserve.benchmarks.simcheck [--rates 0.25 0.5 1.0] [--seconds-per-rate 60] [--setups a b c d]
                                          [--quick-profile | --profile FILE]
 
 First a fresh profile of this machine's engine (`pdserve profile`, one thread like each node; or
@@ -9,9 +9,10 @@ study's workload twice: for real (`pdserve up`, one core per node) and in the si
 profile. The profile gives the costs' shape; their level comes from the idle node the study
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
-setup's runs: this shared host's speed drifts by tens of percent within an hour). `--real-from` an earlier JSON simulates its real
-runs again, with its profile or --profile. Prints the error of each metric: median and p99 TTFT and TPOT and request throughput
-relative to the real run, SLO attainment in points. Targets: medians and throughput within 10 %,
+setup's runs: this shared host's speed drifts by tens of percent within an hour). `--real-from`
+an earlier JSON simulates its real runs again, with its profile or --profile. Prints the error of
+each metric: median and p99 TTFT and TPOT and request throughput relative to the real run, SLO
+attainment in points. Targets: medians and throughput within 10 %,
 attainment within 10 points.
 
 Writes docs/results/simcheck.json (with the profile it used), simcheck.png (goodput and
@@ -112,8 +113,8 @@ def plot(res: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0])
-    parser.add_argument("--seconds-per-rate", type=float, default=40.0)
-    parser.add_argument("--min-prompts", type=int, default=20)
+    parser.add_argument("--seconds-per-rate", type=float, default=60.0)
+    parser.add_argument("--min-prompts", type=int, default=30)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--ttft-scale", type=float, default=2.0)
     parser.add_argument("--tpot-scale", type=float, default=1.5)

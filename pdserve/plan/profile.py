@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 DECODE_FEATURES = ["one", "seqs", "kv_tokens"]
 TRANSFER_FEATURES = ["one", "bytes"]
-NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}  # a profile from before they were measured = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}
+NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}  # profiles from before they were measured
 
 
 @dataclass
