@@ -30,6 +30,7 @@ from pdserve.procs import Child, ProcessGroup
 from pdserve.workload import random_prompts
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
+PROBE_PROMPT, PROBE_TOKENS = 128, 32  # a probe's prompt and streamed output, in tokens
 
 
 def pool_shape(num_blocks: int) -> tuple[int, ...]:
@@ -116,12 +117,9 @@ def bench_backends(mib: int, repeats: int) -> dict:
     return results
 
 
-PROBE_PROMPT, PROBE_TOKENS = 128, 32
-
-
 def one_start(dtype: str, model: str | None = None, probes: int = 0) -> dict:
     """Start `pdserve serve` (one thread, pinned): seconds to healthy, idle RSS, and with `probes`
-    the TTFT and TPOT of that many streamed requests sent one at a time (the first warms up)."""
+    that many `probe`s sent one at a time (one more first, to warm up)."""
     args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
     node = Child.on_free_port("node", args, core=0, log_path=os.devnull)
     with ProcessGroup(stop_grace_s=30) as group:
