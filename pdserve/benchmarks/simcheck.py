@@ -29,7 +29,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.study import LONG_INPUT, SETUPS, SHORT_INPUT, SHORT_OUTPUT, rate_workload, run_setup, study_slos
+from pdserve.benchmarks.study import (
+    LONG_INPUT,
+    SETUPS,
+    SHORT_INPUT,
+    SHORT_OUTPUT,
+    add_sweep_args,
+    rate_workload,
+    run_setup,
+    study_slos,
+)
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
@@ -112,13 +121,7 @@ def plot(res: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0])
-    parser.add_argument("--seconds-per-rate", type=float, default=60.0)
-    parser.add_argument("--min-prompts", type=int, default=30)
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    parser.add_argument("--ttft-scale", type=float, default=2.0)
-    parser.add_argument("--tpot-scale", type=float, default=1.5)
-    parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
+    add_sweep_args(parser, [0.25, 0.5, 1.0], 60.0, 30)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--profile", default=None, help="use this profile instead of measuring a fresh one")
     source.add_argument("--quick-profile", action="store_true", help="measure the fresh profile with --quick")

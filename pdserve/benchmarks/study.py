@@ -285,15 +285,21 @@ def markdown(res: dict, args, files: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5])
-    parser.add_argument("--seconds-per-rate", type=float, default=45.0)
-    parser.add_argument("--min-prompts", type=int, default=20)
+def add_sweep_args(parser: argparse.ArgumentParser, rates: list[float], seconds_per_rate: float,
+                   min_prompts: int) -> None:
+    """The sweep's flags (the study's and simcheck's): rates, requests per rate, setups, SLO scales, dtype."""
+    parser.add_argument("--rates", type=float, nargs="+", default=rates)
+    parser.add_argument("--seconds-per-rate", type=float, default=seconds_per_rate)
+    parser.add_argument("--min-prompts", type=int, default=min_prompts)
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--ttft-scale", type=float, default=2.0)
     parser.add_argument("--tpot-scale", type=float, default=1.5)
     parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_args(parser, [0.25, 0.5, 0.75, 1.0, 1.5], 45.0, 20)
     parser.add_argument("--out", default="docs/results/study.json")
     parser.add_argument("--from-json", default=None, metavar="PATH",
                         help="redo the plots and the report from an earlier run's JSON instead of measuring")

@@ -4,8 +4,8 @@
 
 Part 1 moves a SmolLM2-shaped set of blocks between two processes with the real connector code,
 over tcp and over shared memory, contiguous and scattered, against memcpy of the same segments
-(pdserve.plan.measure.bench_backends, which profiles use too). Part 2 starts real P and D nodes (one core each) and measures,
-for 512- and 2048-token prompts, TTFT = P's prefill request + D's time to its first streamed token,
+(pdserve.plan.measure.bench_backends, which profiles use too). Part 2 starts real P and D nodes
+(one core each) and measures, for 512- and 2048-token prompts, TTFT = P's prefill request + D's time to its first streamed token,
 and how much of it was the KV transfer (D's x-pdserve-kv-load-ms).
 Writes docs/results/transfer.json and a section of docs/benchmarks.md.
 """

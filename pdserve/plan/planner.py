@@ -154,15 +154,9 @@ def report(result: dict, profile_path: str) -> str:
     if pick:
         lines.append(f"cheapest: {pick['setup']} ({pick['nodes']} nodes, {pick['family']}), "
                      f"attainment {pick['slo_attainment'] * 100:.1f} %")
-    else:
-        best = max(result["setups"], key=lambda r: r["slo_attainment"], default=None)
-        lines.append(no_setup_meets(result, best))
+    else:  # a colocated node always fits (--max-nodes >= 1), so there is a closest setup
+        best = max(result["setups"], key=lambda r: r["slo_attainment"])
+        lines.append(f"no setup of at most {result['max_nodes']} nodes meets the SLOs at {result['rate']:g} req/s: "
+                     f"the closest, {best['setup']}, reaches {best['slo_attainment'] * 100:.1f} % "
+                     f"(p99 TTFT {best['p99_ttft_ms']:.0f} ms, p99 TPOT {best['p99_tpot_ms']:.1f} ms)")
     return "\n".join(lines)
-
-
-def no_setup_meets(result: dict, best: dict | None) -> str:
-    head = f"no setup of at most {result['max_nodes']} nodes meets the SLOs at {result['rate']:g} req/s"
-    if best is None:
-        return head
-    return (f"{head}: the closest, {best['setup']}, reaches {best['slo_attainment'] * 100:.1f} % "
-            f"(p99 TTFT {best['p99_ttft_ms']:.0f} ms, p99 TPOT {best['p99_tpot_ms']:.1f} ms)")
