@@ -4,6 +4,26 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.request import Request
+from pdserve.sampling_params import SamplingParams
+
+
+class _NoDetok:
+    """Token ids only: the scheduler's tests read no text."""
+
+    text = ""
+
+    def add(self, token_id):
+        pass
+
+    def take_delta(self, max_stop_len, finished):
+        return ""
+
+
+def make_request(tokens: list[int], rid: str = "r", max_tokens: int = 4) -> Request:
+    """A request for the scheduler and block manager alone: no stop token, no detokenizer."""
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), _NoDetok(), (), 10_000, None)
+
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
+from helpers import make_request
+
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
-from pdserve.sampling_params import SamplingParams
-
-
-class _NoDetok:
-    def add(self, token_id):
-        pass
-
-
-def make_request(tokens: list[int], rid: str = "r") -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=4), _NoDetok(), (), 10_000, None)
 
 
 def compute(bm: BlockManager, req: Request, n: int) -> None:

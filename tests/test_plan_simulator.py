@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+from helpers import make_request
 
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduler import Scheduler
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
 from pdserve.plan.simulator import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
@@ -78,6 +83,7 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     after the one in progress, exactly as a step-by-step loop would schedule it."""
     sim = Simulation(known_profile())
     node = SimNode(sim, "N", Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000))
+    blocks = node.free_blocks
     a, b = Tracker(BenchRequest([0], 100, 50), 0.0), Tracker(BenchRequest([0], 100, 5), 0.5)
     sim.at(0.0, lambda: node.submit(Job(0, 100, 0, 50, a, lambda t: None)))
     sim.at(0.5, lambda: node.submit(Job(1, 100, 0, 5, b, lambda t: None)))
@@ -91,7 +97,95 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     expected.append(mixed)
     assert a.result().itls_ms[: len(expected)] == pytest.approx([x * 1e3 for x in expected])
     assert b.result().ttft_ms == pytest.approx((t + mixed - 0.5) * 1e3)
-    assert a.result().output_len == 50 and b.result().output_len == 5 and node.reserved == 0
+    assert a.result().output_len == 50 and b.result().output_len == 5 and node.free_blocks == blocks
+
+
+def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():
+    """A pool of 4 blocks of 16 tokens; A and B (16-token prompts, 20 tokens out; B admitted with
+    A's first decode, one token behind) fill it when A has 32 tokens. A's next block preempts B, the
+    newest, as Scheduler.schedule does; B waits until A finishes, then prefills its prompt and its
+    16 tokens again (32 tokens) and goes on."""
+    sim = Simulation(known_profile())
+    node = SimNode(sim, "N", Batching(budget=512, chunked=True, max_seqs=64, capacity=64, block_size=16))
+    a, b = Tracker(BenchRequest([0], 16, 20), 0.0), Tracker(BenchRequest([0], 16, 20), 0.0)
+    sim.at(0.0, lambda: node.submit(Job(0, 16, 0, 20, a, lambda t: None)))
+    sim.at(0.0, lambda: node.submit(Job(1, 16, 0, 20, b, lambda t: None)))
+    sim.run()
+    assert node.preemptions == 1 and node.free_blocks == 4
+    assert a.result().output_len == b.result().output_len == 20
+    a_alone = [0.025 + kv * 1e-5 for kv in (33, 34, 35)]  # A's last three steps, by itself
+    assert a.result().itls_ms[-3:] == pytest.approx([x * 1e3 for x in a_alone])
+    recompute = 0.010 + 32 * 0.001
+    assert b.result().itls_ms[15] == pytest.approx((sum(a_alone) + recompute) * 1e3)
+
+
+def engine_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int, chunked: bool,
+                       max_seqs: int) -> tuple[list[list[int]], int]:
+    """The engine's Scheduler on (prompt, output) requests, all waiting at step 1: the step each
+    token is sampled at, per request, and the preemptions."""
+    scheduler = Scheduler(BlockManager(blocks, 4, enable_prefix_caching=False), max_seqs, budget, chunked)
+    reqs = [make_request(list(range(prompt)), str(i), output) for i, (prompt, output) in enumerate(requests)]
+    for req in reqs:
+        scheduler.add(req)
+    steps: list[list[int]] = [[] for _ in reqs]
+    preempted, step = 0, 0
+    while scheduler.has_unfinished():
+        step += 1
+        out = scheduler.schedule()
+        preempted += len(out.preempted)
+        sampled = {s.request.request_id: 1 for s in out.scheduled if s.samples}
+        for rid in sampled:
+            steps[int(rid)].append(step)
+        scheduler.update_from_output(out, sampled)
+    return steps, preempted
+
+
+def simulated_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int, chunked: bool,
+                          max_seqs: int) -> tuple[list[list[int]], int]:
+    """The same on a SimNode whose every step costs 1 s, so a token's time is its step."""
+    profile = known_profile()
+    profile.prefill_chunk = replace(profile.prefill_chunk, coefficients=[0.0, 0.0, 0.0])
+    profile.decode_step = replace(profile.decode_step, coefficients=[0.0, 0.0, 0.0])
+    profile.serving = {"request_s": 0.0, "stream_s": 0.0, "step_s": 1.0}
+    sim = Simulation(profile)
+    node = SimNode(sim, "N", Batching(budget, chunked, max_seqs, blocks * 4, block_size=4))
+    trackers = [Tracker(BenchRequest([0], prompt, output), 0.0) for prompt, output in requests]
+    node.busy = True  # all of them arrive before the first step, as in engine_token_steps
+    for i, ((prompt, output), tracker) in enumerate(zip(requests, trackers)):
+        node.submit(Job(i, prompt, 0, output, tracker, lambda t: None))
+    node.busy = False
+    node._maybe_step()
+    sim.run()
+    steps = []
+    for tracker in trackers:
+        result = tracker.result()
+        times = [result.ttft_ms] + [result.ttft_ms + sum(result.itls_ms[: k + 1]) for k in range(len(result.itls_ms))]
+        steps.append([round(t / 1e3) for t in times])
+    return steps, node.preemptions
+
+
+@pytest.mark.parametrize("blocks,budget,chunked,max_seqs", [(64, 32, True, 8), (20, 16, True, 8), (12, 64, False, 4),
+                                                           (30, 8, True, 3)])
+def test_a_simulated_node_schedules_step_for_step_as_the_engines_scheduler(blocks, budget, chunked, max_seqs):
+    """Same requests, same settings: every token in the same step, the same preemptions; pools
+    small enough to preempt, budgets small enough to chunk."""
+    rng = random.Random(blocks * budget)
+    requests = [(rng.randint(3, 30), rng.randint(1, 20)) for _ in range(12)]
+    requests = [(p, min(o, blocks * 4 - p)) for p, o in requests]
+    engine, engine_preempted = engine_token_steps(requests, blocks, budget, chunked, max_seqs)
+    simulated, simulated_preempted = simulated_token_steps(requests, blocks, budget, chunked, max_seqs)
+    assert simulated == engine
+    assert simulated_preempted == engine_preempted
+
+
+def test_a_prefill_node_holds_the_kv_until_it_is_pulled():
+    """P's pool holds one 100-token prompt (7 blocks): the second prompt waits for the first's KV
+    to be pulled, not for its prefill to end."""
+    profile = known_profile(capacity=112)
+    summary = run("pull:1P1D", [BenchRequest([0], 100, 2), BenchRequest([0], 100, 2)], profile=profile)
+    prefill, transfer, recompute = 0.110, 0.002 + 100 * KV_BYTES * 1e-9, 0.011
+    assert summary["ttfts"][0] == pytest.approx(prefill + transfer + recompute)
+    assert summary["ttfts"][1] == pytest.approx(2 * (prefill + transfer) + recompute)
 
 
 def test_a_profile_scales_to_the_machines_speed_now():

@@ -7,16 +7,22 @@ What it models, as pdserve does it:
   token, D pulls the KV, recomputes the last prompt token and decodes), push (D reserves its blocks
   first, P pushes each layer as it is computed, so only the last layer's transfer follows the
   prefill); nodes picked by round robin or least loaded (outstanding requests);
-- each node's scheduler, one step at a time: running decodes first (one token each, up to
-  max_num_seqs), then prefill chunks within the token budget (chunked prefill), a request admitted
-  only while the KV pool holds its prompt and output (no preemption: admission reserves it all);
-  steps that only decode a batch that does not change are one event (a decode run), so the cost of
-  simulating grows with requests, not with tokens;
+- each node's scheduler, one step at a time, as pdserve's Scheduler runs it (a test checks the two
+  token for token): running requests first, in the order they were admitted, then waiting ones
+  within the token budget (chunked prefill) and max_num_seqs; KV blocks taken as tokens are
+  computed; when a running request cannot get a block the newest one is preempted and later
+  prefilled again with its output so far; a P node holds a prompt's blocks until its KV has left
+  (pulled by D, or its last layer pushed); steps that only decode a batch that does not change
+  are one event (a decode run, ended early where blocks would run out), so the cost of simulating
+  grows with requests, not with tokens;
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for
   each chunk, plus what the server adds per step; each HTTP hop to a node (one colocated, P's and
   D's in pull, P's in push, where D had the request during the prefill) adds the profile's
   per-request serving cost, and streaming delays every token the client sees by its stream cost;
   transfers: the profile's fit for the transport.
+
+Not modelled: the prefix cache (every prompt is computed in full), and D's blocks while a pull is
+in flight (the transfer is charged before D queues the request).
 
 It returns the fields `pdserve bench --out` writes (pdserve/workload.py: summarize), so a
 simulated and a measured run compare key by key.
@@ -59,25 +65,29 @@ class Setup:
 
 @dataclass
 class Job:
-    """A request's work on one node: prefill `prefill_tokens` after `context` cached tokens, then
-    emit `output_tokens` tokens (the first at the end of the prefill)."""
+    """A request's work on one node, counted as the engine's Request counts it: `prompt_tokens`, of
+    which `context` arrive computed (KV from P), then `output_tokens` tokens, the first sampled by
+    the step that computes the last prompt token. A preempted job computes all it has again."""
 
     request_id: int
-    prefill_tokens: int
+    prompt_tokens: int
     context: int
     output_tokens: int
     tokens: Tracker | None  # where the tokens go (None: a prefill node's token, which the client never sees)
     on_done: Callable[[float], None]
-    prefilled: int = 0
+    hold: bool = False  # P: keep the KV blocks after the last token until the proxy releases them
+    computed: int = 0
     generated: int = 0
+    blocks: int = 0
 
     @property
-    def kv_tokens(self) -> int:
-        return self.context + self.prefilled + self.generated
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
 
     @property
-    def reserved_tokens(self) -> int:
-        return self.context + self.prefill_tokens + self.output_tokens
+    def is_decode(self) -> bool:
+        """One new token after an output token (model_runner.is_decode)."""
+        return self.generated > 0 and self.computed == self.prompt_tokens + self.generated - 1
 
 
 @dataclass(frozen=True)
@@ -158,12 +168,13 @@ class DecodeRun:
 @dataclass(frozen=True)
 class Batching:
     """A node's scheduler settings (`pdserve serve`'s --max-num-batched-tokens, --no-chunked-prefill,
-    --max-num-seqs) and its KV pool in tokens."""
+    --max-num-seqs) and its KV pool."""
 
     budget: int
     chunked: bool
     max_seqs: int
-    capacity: int
+    capacity: int  # KV pool, tokens
+    block_size: int = 16
 
     @classmethod
     def of(cls, node: dict, budget: int | None = None, chunked: bool = True) -> Batching:
@@ -174,12 +185,22 @@ class Batching:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
         if not chunked:  # a profile without max_model_len: no prompt is too long for one step
             budget = max(budget, node.get("max_model_len", 1 << 30))
-        return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"])
+        return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"], node.get("block_size", 16))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity // self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
 
 @dataclass
 class SimNode:
-    """One node's scheduler and clock (pdserve's Scheduler and step loop, in costs)."""
+    """One node's scheduler and clock: pdserve's Scheduler (running requests first, in the order
+    they were admitted, then waiting ones within the token budget; KV blocks allocated as tokens are
+    computed; when a running request cannot get a block, the newest running request is preempted
+    and recomputed later) and its step loop, in costs."""
 
     sim: Simulation
     name: str
@@ -190,14 +211,47 @@ class SimNode:
     outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
-    reserved: int = 0  # KV tokens the running jobs hold
+    free_blocks: int = -1
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.free_blocks < 0:
+            self.free_blocks = self.batching.num_blocks
 
     def submit(self, job: Job) -> None:
+        if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
+            return  # larger than the whole pool: the engine refuses it (max_model_len <= the pool)
         self.waiting.append(job)
         self.outstanding += 1
         if self.run is not None:
             self._cut_run()
         self._maybe_step()
+
+    def release(self, job: Job) -> None:
+        """The proxy's word that a held job's KV has left (pulled by D, or pushed)."""
+        self._free(job)
+        self._maybe_step()
+
+    def _allocate(self, job: Job, tokens: int) -> bool:
+        """Blocks for `tokens` computed tokens of job (BlockManager.allocate)."""
+        needed = self.batching.blocks_for(tokens) - job.blocks
+        if needed > self.free_blocks:
+            return False
+        if needed > 0:
+            job.blocks += needed
+            self.free_blocks -= needed
+        return True
+
+    def _free(self, job: Job) -> None:
+        self.free_blocks += job.blocks
+        job.blocks = 0
+
+    def _preempt(self, job: Job) -> None:
+        """Scheduler._preempt: free its blocks; its prompt and output so far are prefilled again."""
+        self._free(job)
+        job.computed = job.context = 0
+        self.waiting.appendleft(job)
+        self.preemptions += 1
 
     def _cut_run(self) -> None:
         """New work arrived during a decode run: end the run with the step now in progress, so the
@@ -210,60 +264,108 @@ class SimNode:
             token = self.run_token
             self.sim.at(run.start + run.elapsed(steps), lambda: self._finish_run(token))
 
+    def _schedule(self) -> tuple[list[Job], list[tuple[Job, int]], bool]:
+        """One step (Scheduler.schedule): its decodes, its prefill chunks (job, new tokens), and
+        whether it preempted."""
+        limits = self.batching
+        budget, size = limits.budget, limits.block_size
+        decodes: list[Job] = []
+        chunks: list[tuple[Job, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            job = self.running[i]
+            remaining = job.prompt_tokens + job.generated - job.computed
+            n = min(remaining, budget)
+            # (the first test skips the call while the job's last block has room: the hot path)
+            while job.computed + n > job.blocks * size and not self._allocate(job, job.computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is job:
+                    break
+            else:
+                if remaining == 1 and job.generated:  # Job.is_decode
+                    decodes.append(job)
+                else:
+                    chunks.append((job, n))
+                budget -= n
+                i += 1
+        if preempted:  # admitting new work while evicting old would just thrash
+            return decodes, chunks, True
+        while self.waiting and budget > 0 and len(self.running) < limits.max_seqs:
+            job = self.waiting[0]
+            remaining = job.num_tokens - job.context
+            if not limits.chunked and remaining > budget:
+                break  # the whole prompt in one step, or wait for the next
+            n = min(remaining, budget)
+            if not self._allocate(job, job.context + n):
+                break  # the head of the queue waits for blocks
+            self.waiting.popleft()
+            job.computed = job.context
+            self.running.append(job)
+            chunks.append((job, n))
+            budget -= n
+        return decodes, chunks, False
+
     def _maybe_step(self) -> None:
         if self.busy or not (self.waiting or self.running):
             return
-        limits = self.batching
-        decodes: list[Job] = []
-        prefilling: list[Job] = []
-        for job in self.running:
-            (decodes if job.prefilled == job.prefill_tokens else prefilling).append(job)
-        budget = limits.budget - len(decodes)
-        chunks: list[tuple[Job, int]] = []
-        for job in prefilling:
-            if budget > 0:
-                n = min(budget, job.prefill_tokens - job.prefilled)
-                chunks.append((job, n))
-                budget -= n
-        while (self.waiting and budget > 0 and len(self.running) < limits.max_seqs
-               and self.reserved + self.waiting[0].reserved_tokens <= limits.capacity):
-            if not limits.chunked and self.waiting[0].prefill_tokens > budget:
-                break  # the whole prompt in one step, or wait for the next
-            job = self.waiting.popleft()
-            self.running.append(job)
-            self.reserved += job.reserved_tokens
-            n = min(budget, job.prefill_tokens)
-            chunks.append((job, n))
-            budget -= n
-        if not decodes and not chunks:
+        decodes, chunks, preempted = self._schedule()
+        while not (decodes or chunks) and preempted:  # the engine's next loop turn admits what was freed
+            decodes, chunks, preempted = self._schedule()
+        if not (decodes or chunks):
             return  # the head of the queue waits for KV to be freed
         costs = self.sim.costs
         self.busy = True
-        kv_tokens = sum(j.context + j.prefilled + j.generated for j in decodes)  # the token fed this step included
-        if chunks:
-            seconds = sum(costs.chunk(n, j.context + j.prefilled) for j, n in chunks)
+        kv_tokens = sum(job.prompt_tokens + job.generated for job in decodes)  # the token fed this step included
+        if chunks or preempted or len(decodes) < len(self.running):  # one step; the next may differ
+            seconds = sum(costs.chunk(n, job.computed) for job, n in chunks)
             seconds += costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
             self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(decodes, chunks))
             return
-        # Decodes only: the batch stays the same until one of them finishes or new work arrives
-        # (submit cuts the run short), so its steps are one event.
+        # Every running job decodes and the waiting head could not be admitted (nor can it be in
+        # the steps that follow: they only take blocks), so the batch stays the same until one of
+        # them finishes, blocks run out, or new work arrives (submit cuts the run short): its steps
+        # are one event.
         first = max(costs.step(len(decodes), kv_tokens), 0.0)
         growth = max(costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
-        steps = min(j.output_tokens - j.generated for j in decodes)
+        steps = self._steps_blocks_allow(decodes, min(j.output_tokens - j.generated for j in decodes))
         self.run = DecodeRun(self.sim.now, first, growth, steps, decodes)
         self.run_token += 1
         token = self.run_token
         self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
 
+    def _steps_blocks_allow(self, decodes: list[Job], steps: int) -> int:
+        """The most of `steps` decode steps (the first one's blocks already held) the free blocks cover."""
+        size = self.batching.block_size
+
+        def needed(s: int) -> int:
+            return sum(max(-(-(j.computed + s) // size) - j.blocks, 0) for j in decodes)
+
+        if needed(steps) <= self.free_blocks:  # the common case: blocks to spare
+            return steps
+        lo, hi = 1, steps - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if needed(mid) <= self.free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
         now = self.sim.now
         emitting = list(decodes)
-        for job, n in chunks:
-            job.prefilled += n
-            if job.prefilled == job.prefill_tokens:
-                emitting.append(job)  # the step that ends a prompt samples its first token
-        for job in emitting:
+        for job in decodes:
+            job.computed += 1
             job.generated += 1
+        for job, n in chunks:
+            job.computed += n
+            if job.computed == job.prompt_tokens + job.generated:  # the prompt is done: its next token
+                job.generated += 1
+                emitting.append(job)
+        for job in emitting:
             if job.tokens is not None:
                 job.tokens.token(now)
         self._retire(emitting, now)
@@ -272,8 +374,12 @@ class SimNode:
         if token != self.run_token:
             return  # this run was cut short; its new end is scheduled
         run, self.run = self.run, None
+        size = self.batching.block_size
         for job in run.jobs:
+            job.computed += run.steps
             job.generated += run.steps
+            if job.computed > job.blocks * size:  # the blocks its steps took, counted at the end
+                self._allocate(job, job.computed)
             if job.tokens is not None:
                 job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
         self._retire(run.jobs, self.sim.now)
@@ -282,8 +388,9 @@ class SimNode:
         for job in jobs:
             if job.generated == job.output_tokens:
                 self.running.remove(job)
-                self.reserved -= job.reserved_tokens
                 self.outstanding -= 1
+                if not job.hold:
+                    self._free(job)
                 job.on_done(now)
         self.busy = False
         self._maybe_step()
@@ -334,6 +441,8 @@ class Proxy:
             raise ValueError(f"--kv-transport {transport!r}: the profile measured {sorted(sim.profile.transfer)}")
         self.sim, self.setup, self.policy, self.transport = sim, setup, policy, transport
         self.kv_bytes_per_token, self.num_layers = node["kv_bytes_per_token"], node["num_layers"]
+        fit = dict(zip(sim.profile.transfer[transport].features, sim.profile.transfer[transport].coefficients))
+        self._transfer_latency, self._transfer_per_byte = fit["one"], fit["bytes"]  # the hot path's copy of the fit
 
         self.prefillers = [SimNode(sim, f"P{i}", batching) for i in range(setup.prefill)]
         self.decoders = [SimNode(sim, f"D{i}" if setup.mode != "colocated" else f"N{i}", batching)
@@ -352,22 +461,26 @@ class Proxy:
             node = self._pick(self.decoders, "decode")
             self.sim.at(now + hop, lambda: node.submit(Job(rid, req.input_len, 0, req.output_len, tracker, lambda t: None)))
             return
-        decoder_job = Job(rid, 1, req.input_len - 1, req.output_len, tracker, lambda t: None)
+        decoder_job = Job(rid, req.input_len, req.input_len - 1, req.output_len, tracker, lambda t: None)
         nbytes = req.input_len * self.kv_bytes_per_token
 
         def prefilled(t: float) -> None:
+            """P holds the KV until it has left: pulled by D, or its last layer pushed."""
             if self.setup.mode == "pull":  # P answers the proxy, which then sends the request to D
                 decoder = self._pick(self.decoders, "decode")
-                self.sim.at(t + self.profile_transfer(nbytes) + hop, lambda: decoder.submit(decoder_job))
+                pulled = t + self.profile_transfer(nbytes) + hop
+                self.sim.at(pulled, lambda: (prefiller.release(prefill_job), decoder.submit(decoder_job)))
             else:  # push: D had the request first; only the last layer's bytes follow the prefill
-                self.sim.at(t + self.profile_transfer(nbytes / self.num_layers), lambda: push_decoder.submit(decoder_job))
+                pushed = t + self.profile_transfer(nbytes / self.num_layers)
+                self.sim.at(pushed, lambda: (prefiller.release(prefill_job), push_decoder.submit(decoder_job)))
 
         push_decoder = self._pick(self.decoders, "decode") if self.setup.mode == "push" else None
         prefiller = self._pick(self.prefillers, "prefill")
-        self.sim.at(now + hop, lambda: prefiller.submit(Job(rid, req.input_len, 0, 1, None, prefilled)))
+        prefill_job = Job(rid, req.input_len, 0, 1, None, prefilled, hold=True)
+        self.sim.at(now + hop, lambda: prefiller.submit(prefill_job))
 
     def profile_transfer(self, nbytes: float) -> float:
-        return max(self.sim.profile.transfer_time(self.transport, int(nbytes)), 0.0)
+        return max(self._transfer_latency + self._transfer_per_byte * int(nbytes), 0.0)
 
 
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
