@@ -186,6 +186,7 @@ def test_a_prefill_node_holds_the_kv_until_it_is_pulled():
     prefill, transfer, recompute = 0.110, 0.002 + 100 * KV_BYTES * 1e-9, 0.011
     assert summary["ttfts"][0] == pytest.approx(prefill + transfer + recompute)
     assert summary["ttfts"][1] == pytest.approx(2 * (prefill + transfer) + recompute)
+    assert summary["preemptions"] == 0  # P's second prompt waited; nothing was evicted
 
 
 def test_a_profile_scales_to_the_machines_speed_now():

@@ -505,5 +505,6 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     summary = summarize(results, duration, slos)
     summary.update({"setup": f"{setup.mode}:{setup.prefill}P{setup.decode}D" if setup.mode != "colocated"
                     else f"colocated:{setup.decode}", "policy": policy, "simulated": True,
-                    "max_num_batched_tokens": batching.budget, "chunked_prefill": chunked_prefill})
+                    "max_num_batched_tokens": batching.budget, "chunked_prefill": chunked_prefill,
+                    "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders)})
     return summary
