@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.prefix_hash import block_hashes
 from pdserve.engine.request import Request
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
-
-
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         self.num_blocks = num_blocks
+        self.events = events  # told of every hash filed and dropped (the proxy's routing reads them)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -39,10 +39,8 @@ class BlockManager:
 
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         """Extend req.block_hashes over the full blocks among its first num_tokens tokens."""
-        bs = self.block_size
-        for i in range(len(req.block_hashes), num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs])))
+        if len(req.block_hashes) < num_tokens // self.block_size:
+            req.block_hashes = block_hashes(req.token_ids[:num_tokens], self.block_size, req.block_hashes)
 
     def match_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of req; at least one token is always left to compute."""
@@ -73,6 +71,8 @@ class BlockManager:
             block, _ = self.free_blocks.popitem(last=False)
             if self.block_hash[block] is not None:  # evict its cached contents
                 self.cached_blocks.pop(self.block_hash[block], None)
+                if self.events is not None:
+                    self.events.removed(self.block_hash[block])
                 self.block_hash[block] = None
             self._take(block)
             req.block_ids.append(block)
@@ -94,6 +94,8 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.cached_blocks:
                 self.block_hash[block] = h
                 self.cached_blocks[h] = block
+                if self.events is not None:
+                    self.events.stored(h)
         req.num_published_blocks = max(req.num_published_blocks, num_full)
 
     def free(self, req: Request) -> None:

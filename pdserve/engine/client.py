@@ -2,7 +2,7 @@
 
 A node's HTTP layer talks to its engine only through this interface: add a request and read its
 stream of outputs (closing the stream aborts it), ask for the latest stats snapshot (published by
-the engine after every step), and read what is fixed once the engine is built (`EngineInfo`). It
+the engine after every step) and the prefix cache's KV events, and read what is fixed once the engine is built (`EngineInfo`). It
 never reads scheduler state itself, so the engine can run on a thread of the server's process
 today (`ThreadedEngineClient`) and in its own process later (as vLLM's EngineCore and
 mini-sglang's scheduler process do) without the server changing.
@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from pdserve.engine.kv_events import KVEventPage, KVSnapshot
 from pdserve.engine.request import RequestOutput
 from pdserve.kv.params import KVTransferParams
 from pdserve.kv.stats import KVStatsSnapshot
@@ -61,6 +62,14 @@ class EngineClient(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def kv_events(self, after: int) -> KVEventPage:
+        """The prefix cache's event batches after batch `after` (kv_events.KVEventLog.page)."""
+
+    @abstractmethod
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block hash the prefix cache holds now."""
 
     @abstractmethod
     def tokenize(self, prompt: str | list[int]) -> list[int]:

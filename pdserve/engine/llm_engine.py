@@ -11,6 +11,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.client import EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler
@@ -95,7 +96,8 @@ class LLMEngine:
             self.connector = KVConnectorScheduler(kv, config.block_size, held, self.engine_id)
             self.connector_worker = KVConnectorWorker(kv, held, self.kv_stats)
             self.connector.advertised = self.connector_worker.register_kv_caches(self.pool)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = KVEventLog(config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
             self.connector, self.kv_stats, kv.load_failure_policy,
@@ -203,6 +205,11 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.kv_events.close_batch()  # what this step filed in and dropped from the prefix cache
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         worker = self.connector_worker
         if worker is None:
             scheduled = self.scheduler.schedule()

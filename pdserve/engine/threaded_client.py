@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from pdserve.engine.client import EngineClient, EngineDeadError, EngineStats
+from pdserve.engine.kv_events import KVEventPage, KVSnapshot
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.kv.params import KVTransferParams
@@ -81,6 +82,14 @@ class ThreadedEngineClient(EngineClient):
     def stats(self) -> EngineStats:
         # Transfer counters move between steps (side-channel threads): read them now.
         return replace(self._stats, kv=self.engine.kv_stats.snapshot())
+
+    # The event log takes a lock: any thread may read it.
+
+    def kv_events(self, after: int) -> KVEventPage:
+        return self.engine.kv_events.page(after)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        return self.engine.kv_events.snapshot()
 
     # Tokenizing and checking run on the caller's thread: they read only what is fixed at start.
 

@@ -8,6 +8,7 @@ import logging
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,6 +33,9 @@ from pdserve.node.metrics import NodeMetrics
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+MAX_KV_EVENTS_WAIT = 10.0  # seconds a subscriber's long poll may wait
+KV_EVENTS_POLL_S = 0.02
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -97,6 +101,22 @@ class NodeServer:
         @app.get("/metrics")
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/kv/events")
+        async def kv_events(after: int = 0, timeout: float = 1.0):
+            """The prefix cache's event batches after `after`, waiting up to `timeout` s for one."""
+            if not 0 <= timeout <= MAX_KV_EVENTS_WAIT:
+                raise APIError(400, f"timeout must be within [0, {MAX_KV_EVENTS_WAIT}] seconds, got {timeout}", param="timeout")
+            deadline = asyncio.get_running_loop().time() + timeout
+            page = self.engine.kv_events(after)
+            while not page.batches and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(KV_EVENTS_POLL_S)
+                page = self.engine.kv_events(after)
+            return Response(msgspec.json.encode(page), media_type="application/json")
+
+        @app.get("/kv/snapshot")
+        async def kv_snapshot():
+            return Response(msgspec.json.encode(self.engine.kv_snapshot()), media_type="application/json")
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
