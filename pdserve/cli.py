@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.api.guards import resolve_api_key
     from pdserve.api.http import serve_app
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.models.loader import default_model_name
+    from pdserve.models.locate import default_model_name
     from pdserve.node.server import build_node_server
 
     start = time.perf_counter()

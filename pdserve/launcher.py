@@ -23,7 +23,7 @@ def plan_cores(num_nodes: int) -> list[int | None]:
 
 
 def run_up(args) -> int:
-    from pdserve.models.loader import default_model_name, resolve_model_dir
+    from pdserve.models.locate import default_model_name, resolve_model_dir
     from pdserve.platform import plan_kernels
 
     # Convert the model once here, so that the nodes do not race to fill the cache.

@@ -195,7 +195,7 @@ def requests_from_args(args) -> list[BenchRequest]:
     tokenizer = None
     chat = getattr(args, "endpoint", "completions") == "chat"  # only `pdserve bench` has an endpoint
     if args.dataset not in ("random", "mixed") or chat:
-        from pdserve.models.loader import resolve_model_dir
+        from pdserve.models.locate import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(resolve_model_dir(args.tokenizer))

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from pdserve.models.loader import default_gguf_path, resolve_model_dir
+from pdserve.models.locate import default_gguf_path, resolve_model_dir
 from pdserve.models.native import native_ops
 
 

@@ -10,8 +10,8 @@ import sys
 from helpers import make_request
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.prefix_hash import block_hashes
+from pdserve.kv.events import KVEventLog
+from pdserve.kv.prefix_hash import block_hashes
 
 
 def test_block_hashes_chain_and_are_the_same_in_every_process():
@@ -21,7 +21,7 @@ def test_block_hashes_chain_and_are_the_same_in_every_process():
     assert block_hashes(tokens[:40], 16) == hashes[:2]  # a prefix's blocks are the longer prompt's
     assert block_hashes(tokens[:16] + [7] + tokens[17:], 16)[1:] != hashes[1:]  # one token changes all after it
     assert block_hashes(tokens, 16, start=hashes[:3]) == hashes
-    code = "import json, sys; from pdserve.engine.prefix_hash import block_hashes; print(json.dumps(block_hashes(list(range(1000, 1070)), 16)))"
+    code = "import json, sys; from pdserve.kv.prefix_hash import block_hashes; print(json.dumps(block_hashes(list(range(1000, 1070)), 16)))"
     for seed in ("1", "2"):  # hash() of str/bytes changes with the seed; these must not
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": seed})

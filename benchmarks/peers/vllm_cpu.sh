@@ -43,7 +43,7 @@ fi
 # vLLM's fastest dtype here: bf16 where the CPU has bf16 arithmetic (AVX512_BF16 / AMX), else float32
 # (on a CPU without it vLLM's bf16 decode ran ~3.5x slower than on one with it).
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; else VLLM_DTYPE=${VLLM_DTYPE:-float32}; fi
-MODEL_DIR=$("$PY" -c "from pdserve.models.loader import resolve_model_dir; print(resolve_model_dir(None))")
+MODEL_DIR=$("$PY" -c "from pdserve.models.locate import resolve_model_dir; print(resolve_model_dir(None))")
 NAME=SmolLM2-135M-Instruct
 free_port() { "$PY" -c "from pdserve.procs import free_port; print(free_port())"; }
 

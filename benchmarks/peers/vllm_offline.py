@@ -155,7 +155,7 @@ def main() -> None:
         return
 
     from pdserve.benchmarks.report import publish
-    from pdserve.models.loader import resolve_model_dir
+    from pdserve.models.locate import resolve_model_dir
     from pdserve.platform import CpuInfo
 
     if not Path(args.vllm_python).exists():

@@ -145,7 +145,7 @@ def bench_pdserve(dtype: str, quantization: str, quick: bool) -> dict:
 def bench_transformers(dtype: str, quick: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from pdserve.models.loader import resolve_model_dir
+    from pdserve.models.locate import resolve_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype)).eval()
     cpu = CpuInfo.detect()

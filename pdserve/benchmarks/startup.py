@@ -14,7 +14,7 @@ import statistics
 import time
 
 from pdserve.benchmarks.report import publish
-from pdserve.models.loader import resolve_model_dir
+from pdserve.models.locate import resolve_model_dir
 from pdserve.plan.measure import one_start
 from pdserve.platform import plan_kernels
 

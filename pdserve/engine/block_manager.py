@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.prefix_hash import block_hashes
 from pdserve.engine.request import Request
+from pdserve.kv.events import KVEventLog
+from pdserve.kv.prefix_hash import block_hashes
 
 
 class BlockManager:

@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from pdserve.engine.kv_events import KVEventPage, KVSnapshot
 from pdserve.engine.request import RequestOutput
+from pdserve.kv.events import KVEventPage, KVSnapshot
 from pdserve.kv.params import KVTransferParams
 from pdserve.kv.stats import KVStatsSnapshot
 from pdserve.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ class EngineClient(ABC):
 
     @abstractmethod
     def kv_events(self, after: int) -> KVEventPage:
-        """The prefix cache's event batches after batch `after` (kv_events.KVEventLog.page)."""
+        """The prefix cache's event batches after batch `after` (kv/events.py: KVEventLog.page)."""
 
     @abstractmethod
     def kv_snapshot(self) -> KVSnapshot:

@@ -11,18 +11,19 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.client import EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
+from pdserve.kv.events import KVEventLog
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.params import KVTransferParams
 from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.kv.pool import KVPool
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import uses_shared_pool
-from pdserve.models.loader import kv_cache_spec, load_model, resolve_model_dir
+from pdserve.models.loader import kv_cache_spec, load_model
+from pdserve.models.locate import resolve_model_dir
 from pdserve.models.native import native_ops
 from pdserve.models.quantization import resolve_quantization
 from pdserve.models.tokenizer import Tokenizer

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from pdserve.engine.client import EngineClient, EngineDeadError, EngineStats
-from pdserve.engine.kv_events import KVEventPage, KVSnapshot
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
+from pdserve.kv.events import KVEventPage, KVSnapshot
 from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 

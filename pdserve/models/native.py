@@ -31,7 +31,7 @@ MODULE_NAME = "pdserve_native"
 
 
 def build_dir() -> Path:
-    from pdserve.models.loader import cache_root
+    from pdserve.models.locate import cache_root
 
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:

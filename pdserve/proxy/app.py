@@ -30,6 +30,7 @@ from pdserve.proxy.health import HealthPoller
 from pdserve.proxy.membership import DuplicateNode, Membership, NodesFile
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder
+from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
 from pdserve.proxy.timing import RequestTiming
 
 __all__ = ["Proxy", "ProxyConfig"]
@@ -80,17 +81,19 @@ class Proxy:
         self.flow = flow_cls(config, self.members, self.client, self.metrics)
         self.health = HealthPoller(self.members, self.client, self.nodes_file, config.health_interval_s,
                                    config.max_health_failures)
+        self.prefix_index = PrefixIndex(self.members, self.client)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(_: FastAPI):
             async with self.client:
-                poller = asyncio.create_task(self.health.run())
+                tasks = [asyncio.create_task(self.health.run()), asyncio.create_task(self.prefix_index.run())]
                 try:
                     yield
                 finally:
-                    poller.cancel()
+                    for task in tasks:
+                        task.cancel()
 
         app = FastAPI(title="pdserve proxy", lifespan=lifespan)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key)
@@ -142,7 +145,7 @@ class Proxy:
 
         @app.get("/v1/nodes")
         async def nodes():
-            return {"nodes": [_describe(n) for n in self.members.nodes()]}
+            return {"nodes": [_describe(n, self.prefix_index.cache(n)) for n in self.members.nodes()]}
 
         @app.get("/metrics")
         async def metrics():
@@ -216,6 +219,11 @@ class Proxy:
         return await self.flow.serve(req)
 
 
-def _describe(node: Node) -> dict:
-    return {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
-            "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served, "engine": node.engine}
+def _describe(node: Node, cache: NodeCache | None = None) -> dict:
+    described = {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
+                 "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served,
+                 "engine": node.engine}
+    if cache is not None:  # the proxy's copy of the node's prefix cache (proxy/prefix_index.py)
+        described["prefix_cache"] = {"synced": cache.synced, "blocks": len(cache.hashes), "epoch": cache.epoch,
+                                     "batch": cache.seq, "resyncs": cache.resyncs}
+    return described

@@ -80,17 +80,12 @@ class KVEventLog:
             self._batches.append(batch)
             self._stored, self._removed = [], []
 
-    def after(self, seq: int) -> list[KVEventBatch]:
-        """The batches after `seq` that are still kept (the first may not be seq + 1: a gap)."""
-        with self._lock:
-            if not self._batches or self._batches[-1].seq <= seq:
-                return []
-            first = self._batches[0].seq
-            return list(self._batches)[max(seq + 1 - first, 0):]
-
     def page(self, after: int) -> KVEventPage:
-        batches = self.after(after)
+        """The batches after `after` still kept (the first may not be after + 1: a gap), with the
+        latest number, read together."""
         with self._lock:
+            first = self._batches[0].seq if self._batches else self._seq + 1
+            batches = list(self._batches)[max(after + 1 - first, 0):] if self._seq > after else []
             return KVEventPage(epoch=self.epoch, seq=self._seq, batches=batches)
 
     def snapshot(self) -> KVSnapshot:
