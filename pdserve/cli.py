@@ -115,9 +115,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
+    model_dir = None
+    if args.mode == "auto":  # it tokenizes as the nodes do
+        from pdserve.models.locate import resolve_model_dir
+
+        model_dir = str(resolve_model_dir(args.model))
     proxy = Proxy(ProxyConfig(args.prefill or [], args.decode or [], args.policy, args.mode, meta_url=meta_url,
                               node_urls=args.node or [], api_key=resolve_api_key(args.api_key),
-                              max_waiting=args.max_waiting, nodes_file=args.nodes_file))
+                              max_waiting=args.max_waiting, nodes_file=args.nodes_file, profile=args.profile,
+                              model_dir=model_dir, stall_weight=args.stall_weight))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -131,6 +137,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if args.colocated < 0 or (not args.colocated and (args.prefill < 1 or args.decode < 1)):
         raise ValueError("--prefill and --decode must be >= 1 (or use --colocated N >= 1)")
+    if args.nodes is not None:
+        if args.mode != "auto":
+            raise ValueError("--nodes N is for --mode auto (colocated nodes: --colocated N)")
+        if args.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.mode == "auto" and not args.profile:
+        raise ValueError("--mode auto needs --profile (make one with `pdserve profile --quick --out profile.json`)")
     return run_up(args)
 
 
@@ -263,11 +276,18 @@ def build_parser() -> argparse.ArgumentParser:
     proxy = sub.add_parser("proxy", help="run the PD proxy in front of prefill and decode nodes")
     proxy.add_argument("--prefill", nargs="+", metavar="URL", help="prefill node URLs (pull / push)")
     proxy.add_argument("--decode", nargs="+", metavar="URL", help="decode node URLs (pull / push)")
-    proxy.add_argument("--node", nargs="+", metavar="URL", help="colocated (--role both) node URLs (colocated)")
+    proxy.add_argument("--node", nargs="+", metavar="URL", help="colocated (--role both) node URLs (colocated, auto)")
     proxy.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
     proxy.add_argument("--mode", default="pull", choices=list(FLOWS),
                        help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
-                            "colocated: load-balance --role both nodes")
+                            "colocated: load-balance --role both nodes; auto: per request, where to prefill and "
+                            "decode, priced from --profile")
+    proxy.add_argument("--profile", default=None, metavar="JSON", help="auto: a `pdserve profile` of the nodes' machine")
+    proxy.add_argument("--model", default=None,
+                       help="auto: the nodes' model (HF dir or .gguf; default: the embedded SmolLM2), to tokenize as they do")
+    proxy.add_argument("--stall-weight", type=float, default=1.0, metavar="W",
+                       help="auto: what a second of delay to each stream already decoding counts for, "
+                            "against a second of the request's TTFT")
     proxy.add_argument("--nodes-file", default=None, metavar="JSON",
                        help='nodes to route to, re-read when it changes: {"prefill": [URL...], "decode": [URL...]} '
                             '(colocated: {"node": [URL...]}); adds to --prefill / --decode / --node')
@@ -282,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start proxy + prefill + decode nodes on this machine")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    up.add_argument("--mode", default="pull", choices=["pull", "push"])
+    up.add_argument("--mode", default="pull", choices=["pull", "push", "auto"],
+                    help="auto: per request, prefill on a P node or on the node that decodes (needs --profile)")
+    up.add_argument("--nodes", type=int, default=None, metavar="N",
+                    help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")
+    up.add_argument("--profile", default=None, metavar="JSON", help="auto: a `pdserve profile` of this machine")
+    up.add_argument("--stall-weight", type=float, default=1.0, metavar="W", help="auto: see `pdserve proxy --help`")
     up.add_argument("--colocated", type=int, default=0, metavar="N",
                     help="instead of P/D: N colocated (--role both) nodes behind the proxy")
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)

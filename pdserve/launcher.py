@@ -29,7 +29,11 @@ def run_up(args) -> int:
     # Convert the model once here, so that the nodes do not race to fill the cache.
     model_dir = str(resolve_model_dir(args.model))
     plan = plan_kernels(args.dtype)  # what each node will choose on this machine (a bad setting stops us here)
-    roles = ["both"] * args.colocated if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+    auto_nodes = getattr(args, "nodes", None)
+    if args.colocated or auto_nodes:
+        roles = ["both"] * (args.colocated or auto_nodes)
+    else:
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = plan_cores(len(roles))
     node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype,
                  "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory),
@@ -54,7 +58,8 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        shape = f"{args.colocated} colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+        shape = (f"{len(roles)} colocated" if roles[0] == "both"
+                 else f"{args.prefill} prefill + {args.decode} decode")
         print(f"pdserve up: starting {shape} node(s) (cores: {cores}) on {plan.describe()}", flush=True)
         cluster.launch(nodes, args.startup_timeout)
         proxy_args = ["proxy", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
@@ -63,6 +68,12 @@ def run_up(args) -> int:
             proxy_args += ["--max-waiting", str(args.max_waiting)]
         if args.colocated:
             proxy_args += ["--mode", "colocated", "--node", *[n.url for n in nodes]]
+        elif args.mode == "auto":
+            proxy_args += ["--mode", "auto", "--profile", args.profile, "--model", model_dir,
+                           "--stall-weight", str(args.stall_weight)]
+            for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--node")):
+                urls = [n.url for n in nodes if n.role == role]
+                proxy_args += [flag, *urls] if urls else []
         else:
             proxy_args += ["--mode", args.mode, "--prefill", *[n.url for n in nodes if n.role == "prefill"],
                            "--decode", *[n.url for n in nodes if n.role == "decode"]]

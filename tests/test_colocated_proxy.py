@@ -41,7 +41,14 @@ def test_proxy_flags_must_fit_the_mode():
                           (["--mode", "pull", "--node", "http://a:1"], "--node is for colocated"),
                           (["--prefill", "localhost:1", "--decode", "http://b:1"], "is not an http(s)://host:port URL"),
                           (["--prefill", "http://a:1", "--decode", "http://a:1"], "already a node"),
-                          (["--nodes-file", "/nonexistent.json"], "nodes file /nonexistent.json")):
+                          (["--nodes-file", "/nonexistent.json"], "nodes file /nonexistent.json"),
+                          (["--mode", "auto", "--node", "http://a:1"], "auto mode needs --profile"),
+                          (["--mode", "auto", "--prefill", "http://a:1"], "auto mode needs at least one decode"),
+                          (["--mode", "auto", "--prefill", "http://a:1", "--node", "http://b:1"],
+                           "cannot use prefill nodes without a decode node"),
+                          (["--mode", "auto", "--node", "http://a:1", "--profile", "/nonexistent.json"],
+                           "--profile /nonexistent.json: No such file"),
+                          (["--mode", "mixed", "--node", "http://a:1"], "invalid choice: 'mixed'")):
         proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", *args], capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

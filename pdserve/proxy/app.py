@@ -59,7 +59,7 @@ class Proxy:
         flow_cls = flow_class(config.mode)
         if config.mode == "colocated" and (config.prefill_urls or config.decode_urls):
             raise ValueError("colocated mode takes --node URLs (and no --prefill / --decode)")
-        if config.mode != "colocated" and config.node_urls:
+        if config.mode in ("pull", "push") and config.node_urls:
             raise ValueError(f"{config.mode} mode takes --prefill and --decode URLs (--node is for colocated)")
         self.inflight = 0
         self.config = config
@@ -74,14 +74,16 @@ class Proxy:
             self.nodes_file.load(self.members)
         if config.mode == "colocated" and not self.members.decoders:
             raise ValueError("colocated mode needs at least one --node (or a nodes file listing \"node\")")
-        if config.mode != "colocated" and not (self.members.prefillers and self.members.decoders):
+        if config.mode in ("pull", "push") and not (self.members.prefillers and self.members.decoders):
             raise ValueError(f"{config.mode} mode needs at least one prefill and one decode node "
                              "(--prefill / --decode, or a nodes file)")
+        if config.mode == "auto":
+            check_auto_roles(self.members)
         self.client = NodeClient(config.request_timeout_s, config.api_key)
-        self.flow = flow_cls(config, self.members, self.client, self.metrics)
+        self.prefix_index = PrefixIndex(self.members, self.client)
+        self.flow = flow_cls(config, self.members, self.client, self.metrics, self.prefix_index)
         self.health = HealthPoller(self.members, self.client, self.nodes_file, config.health_interval_s,
                                    config.max_health_failures)
-        self.prefix_index = PrefixIndex(self.members, self.client)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -168,11 +170,11 @@ class Proxy:
         # refused before any node works on it; the raw JSON is what gets forwarded.
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
-            return await self.handle(raw, "/v1/completions")
+            return await self.handle(raw, "/v1/completions", body)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
-            return await self.handle(raw, "/v1/chat/completions")
+            return await self.handle(raw, "/v1/chat/completions", body)
 
         return app
 
@@ -192,21 +194,21 @@ class Proxy:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def handle(self, raw: Request, path: str):
+    async def handle(self, raw: Request, path: str, parsed: CompletionRequest | ChatCompletionRequest):
         if overloaded(self.inflight, self.config.max_waiting):
             return too_busy(self.inflight)
         self.inflight += 1
         try:
             # A client that leaves while P prefills (or before D answers) cancels the flow: the
             # node connections close, and the nodes abort the request and free its blocks.
-            work = asyncio.ensure_future(self._handle(raw, path))
+            work = asyncio.ensure_future(self._handle(raw, path, parsed))
             if await finished_before_disconnect(raw, work):
                 return work.result()
             return Response(status_code=499)
         finally:
             self.inflight -= 1
 
-    async def _handle(self, raw: Request, path: str):
+    async def _handle(self, raw: Request, path: str, parsed: CompletionRequest | ChatCompletionRequest):
         arrival = time.perf_counter()
         body = json.loads(await raw.body())  # already validated against the request model: forward it as sent
         if "kv_transfer_params" in body:
@@ -215,8 +217,18 @@ class Proxy:
             value = body.get(name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 return error_response(400, f"{name} must be an integer >= 1, got {value!r}", name)
-        req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival))
+        req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival), parsed)
         return await self.flow.serve(req)
+
+
+def check_auto_roles(members: Membership) -> None:
+    """Auto mode decodes on decode (kv_consumer) or colocated nodes; prefill nodes need a decode node
+    to pull from them (a colocated node has no KV connector)."""
+    if not members.decoders:
+        raise ValueError("auto mode needs at least one decode (--decode) or colocated (--node) node")
+    if members.prefillers and not any(d.role == "decode" for d in members.decoders):
+        raise ValueError("auto mode cannot use prefill nodes without a decode node to pull their KV "
+                         "(colocated --node nodes have no KV connector)")
 
 
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:

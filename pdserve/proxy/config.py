@@ -10,7 +10,7 @@ class ProxyConfig:
     prefill_urls: list[str]
     decode_urls: list[str]
     policy: str = "round_robin"
-    mode: str = "pull"  # a flow in proxy/flows: pull | push | colocated (plain load balancing over --role both nodes)
+    mode: str = "pull"  # a flow in proxy/flows: pull | push | colocated (plain load balancing) | auto (per request)
     request_timeout_s: float = 600.0
     meta_url: str = ""  # push: where decode nodes announce their blocks (this proxy's /v1/kv/meta)
     # push: how long D may take to announce its blocks. D announces once it has reserved them, and a
@@ -23,3 +23,6 @@ class ProxyConfig:
     health_interval_s: float = 1.0
     max_health_failures: int = 3  # failed checks in a row before a node leaves rotation
     nodes_file: str | None = None  # JSON list of nodes, re-read when it changes (see proxy.membership)
+    profile: str | None = None  # auto: the `pdserve profile` file placements are priced from
+    model_dir: str | None = None  # auto: the model whose tokenizer and chat template the nodes use
+    stall_weight: float = 1.0  # auto: a second of delay to each stream decoding, against a second of TTFT

@@ -19,7 +19,8 @@ from pdserve.proxy.policies import Node
 
 logger = logging.getLogger(__name__)
 
-ROLES_BY_MODE = {"pull": ("prefill", "decode"), "push": ("prefill", "decode"), "colocated": ("both",)}
+ROLES_BY_MODE = {"pull": ("prefill", "decode"), "push": ("prefill", "decode"), "colocated": ("both",),
+                 "auto": ("prefill", "decode", "both")}
 FILE_KEYS = {"prefill": "prefill", "decode": "decode", "node": "both"}
 
 

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from pdserve.proxy.timing import RequestTiming
 
 
+PLACEMENT_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+
+
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -23,8 +26,21 @@ class ProxyMetrics:
         self.stage = Histogram("pdserve_proxy:stage_seconds", "Time per stage: queue, prefill, transfer, decode",
                                ["stage"], buckets=REQUEST_BUCKETS, registry=r)
         self.requests = Counter("pdserve_proxy:requests", "Requests relayed to the end", registry=r)
+        self.placements = Counter("pdserve_proxy:placement", "Auto mode's choices: local or remote prefill",
+                                  ["choice"], registry=r)
+        self.placement_seconds = Histogram("pdserve_proxy:placement_seconds", "What choosing a placement cost",
+                                           buckets=PLACEMENT_BUCKETS, registry=r)
+        # Streamed answers placed by auto mode: predicted and measured TTFT, summed (their ratio is the bias).
+        self.predicted_ttft = Counter("pdserve_proxy:placement_predicted_ttft_seconds",
+                                      "Predicted TTFT of placed streamed requests", ["choice"], registry=r)
+        self.actual_ttft = Counter("pdserve_proxy:placement_actual_ttft_seconds",
+                                   "Measured TTFT of placed streamed requests", ["choice"], registry=r)
         self.active = Gauge("pdserve_proxy:node_active_requests", "In-flight requests per node", ["node", "role"],
                             registry=r)
+
+    def placed(self, choice: str, seconds: float) -> None:
+        self.placements.labels(choice=choice).inc()
+        self.placement_seconds.observe(seconds)
 
     def track(self, node: Node) -> None:
         self.active.labels(node=node.url, role=node.role).set_function(lambda: node.active_requests)
@@ -38,6 +54,9 @@ class ProxyMetrics:
         self.requests.inc()
         if t.first_byte is not None:  # streamed answers only: a plain answer has no first token
             self.ttft.observe(t.first_byte - t.arrival)
+            if t.placement is not None and t.predicted_ttft_s is not None:
+                self.predicted_ttft.labels(choice=t.placement).inc(t.predicted_ttft_s)
+                self.actual_ttft.labels(choice=t.placement).inc(t.first_byte - t.arrival)
         self.e2e.observe(t.done - t.arrival)
         prefill_end = t.prefill_done if t.prefill_done is not None else t.arrival
         self.stage.labels(stage="queue").observe(t.node_queue_s)

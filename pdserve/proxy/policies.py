@@ -17,6 +17,7 @@ class Node:
     served: int = 0
     failures: int = 0  # consecutive failed health checks
     engine: dict[str, str] = field(default_factory=dict)  # device, isa, dtype, kernels (its engine_info)
+    prefill_backlog_until: float = 0.0  # auto mode: when the prefills sent to it are predicted done (monotonic s)
 
     def record_check(self, ok: bool, max_failures: int) -> None:
         """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""
@@ -31,6 +32,8 @@ class Node:
         self.active_requests -= 1
         self.active_tokens -= tokens
         self.served += ok
+        if self.active_requests == 0:  # idle: whatever was predicted is done
+            self.prefill_backlog_until = 0.0
 
 
 @dataclass

@@ -16,9 +16,17 @@ class RequestTiming:
     transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms); push: only what was exposed
     first_byte: float | None = None
     done: float | None = None
+    placement: str | None = None  # auto mode: local | remote
+    placement_s: float = 0.0  # auto mode: what choosing cost the proxy
+    predicted_ttft_s: float | None = None  # auto mode: the chosen option's TTFT, from the profile
 
     def stage_headers(self) -> dict[str, str]:
         """The stages known when the answer starts, for clients that draw per-request timelines."""
-        return {"x-pdserve-queue-ms": f"{self.node_queue_s * 1e3:.3f}",
-                "x-pdserve-prefill-ms": f"{self.prefill_s * 1e3:.3f}",
-                "x-pdserve-kv-load-ms": f"{self.transfer_s * 1e3:.3f}"}
+        headers = {"x-pdserve-queue-ms": f"{self.node_queue_s * 1e3:.3f}",
+                   "x-pdserve-prefill-ms": f"{self.prefill_s * 1e3:.3f}",
+                   "x-pdserve-kv-load-ms": f"{self.transfer_s * 1e3:.3f}"}
+        if self.placement is not None:
+            headers.update({"x-pdserve-placement": self.placement,
+                            "x-pdserve-placement-ms": f"{self.placement_s * 1e3:.3f}",
+                            "x-pdserve-predicted-ttft-ms": f"{(self.predicted_ttft_s or 0.0) * 1e3:.3f}"})
+        return headers

@@ -10,6 +10,7 @@ FLOWS: dict[str, str] = {
     "pull": "pdserve.proxy.flows.pull:PullFlow",
     "push": "pdserve.proxy.flows.push:PushFlow",
     "colocated": "pdserve.proxy.flows.colocated:ColocatedFlow",
+    "auto": "pdserve.proxy.flows.auto:AutoFlow",
 }
 
 __all__ = ["FLOWS", "ClientRequest", "Flow", "flow_class"]

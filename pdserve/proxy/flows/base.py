@@ -18,12 +18,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.params import KVTransferParams
 from pdserve.proxy.client import NodeClient, NodeError, discard, header_seconds, unreachable, upstream_error
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.membership import Membership
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
+from pdserve.proxy.prefix_index import PrefixIndex
 from pdserve.proxy.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -41,13 +43,16 @@ class ClientRequest:
     body: dict[str, Any]
     tokens: int  # load estimate, for the policies
     timing: RequestTiming
+    parsed: CompletionRequest | ChatCompletionRequest | None = None  # the body as validated (auto mode tokenizes it)
 
 
 class Flow(ABC):
     name: ClassVar[str]
 
-    def __init__(self, config: ProxyConfig, members: Membership, client: NodeClient, metrics: ProxyMetrics) -> None:
+    def __init__(self, config: ProxyConfig, members: Membership, client: NodeClient, metrics: ProxyMetrics,
+                 index: PrefixIndex | None = None) -> None:
         self.config, self.members, self.client, self.metrics = config, members, client, metrics
+        self.index = index  # the nodes' prefix caches, as the proxy follows them
         self.prefill_policy = POLICIES[config.policy]()
         self.decode_policy = POLICIES[config.policy]()
 
@@ -57,6 +62,14 @@ class Flow(ABC):
 
     def split_stages(self, response: httpx.Response, timing: RequestTiming) -> None:
         """Fill `timing` from the answering node's headers (pull: D's wait for the KV is the transfer)."""
+        timing.transfer_s = header_seconds(response, "x-pdserve-kv-load-ms")
+
+    @staticmethod
+    def split_stages_one_node(response: httpx.Response, timing: RequestTiming) -> None:
+        """One node did it all (colocated, or auto's local prefill): take its own queue and prefill split."""
+        timing.node_queue_s = header_seconds(response, "x-pdserve-queue-ms")
+        timing.prefill_s = max(header_seconds(response, "x-pdserve-ttft-ms") - timing.node_queue_s, 0.0)
+        timing.prefill_done = timing.arrival + timing.node_queue_s + timing.prefill_s
         timing.transfer_s = header_seconds(response, "x-pdserve-kv-load-ms")
 
     def announce(self, params: KVTransferParams) -> bool:
@@ -110,6 +123,14 @@ class Flow(ABC):
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
         return response.json().get("kv_transfer_params")
+
+    async def prefill_for_pull(self, node: Node, req: ClientRequest) -> dict:
+        """P prefills and holds the KV for a decode node to pull; the kv_transfer_params for D."""
+        returned = await self.prefill(node, req, KVTransferParams.pull_prefill())
+        if not returned:
+            raise NodeError(502, upstream_error(502, f"prefill node {node.url} returned no kv_transfer_params"),
+                            node.url)
+        return returned
 
     # -- the answer -------------------------------------------------------------------------------
 

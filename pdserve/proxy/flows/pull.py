@@ -11,24 +11,14 @@ from __future__ import annotations
 
 from fastapi.responses import Response
 
-from pdserve.kv.params import KVTransferParams
-from pdserve.proxy.client import NodeError, upstream_error
 from pdserve.proxy.flows.base import ClientRequest, Flow
-from pdserve.proxy.policies import Node
 
 
 class PullFlow(Flow):
     name = "pull"
 
     async def serve(self, req: ClientRequest) -> Response:
-        kv_params = await self.on_some_node("prefill", req, lambda p: self._prefill(p, req))
+        kv_params = await self.on_some_node("prefill", req, lambda p: self.prefill_for_pull(p, req))
         # Another D may pull the same KV (P holds it until pulled or timed out), or recompute.
         d_body = {**req.body, "kv_transfer_params": kv_params}
         return await self.on_some_node("decode", req, lambda d: self.answer(d, self.ask(d, req, d_body), req))
-
-    async def _prefill(self, node: Node, req: ClientRequest) -> dict:
-        returned = await self.prefill(node, req, KVTransferParams.pull_prefill())
-        if not returned:
-            raise NodeError(502, upstream_error(502, f"prefill node {node.url} returned no kv_transfer_params"),
-                            node.url)
-        return returned

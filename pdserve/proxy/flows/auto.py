@@ -1,0 +1,72 @@
+"""Auto: per request, the decode node and where the prompt is prefilled (proxy/placement.py).
+
+  local:  the decode (or colocated) node gets the client's body and prefills the prompt itself.
+  remote: a prefill node prefills it and holds the KV, then the decode node pulls what it does
+          not already hold and decodes: the pull flow's two requests.
+
+The proxy tokenizes the prompt as the nodes do to find the blocks each node holds, prices every
+option from the profile, and records the choice: x-pdserve-placement (local | remote),
+x-pdserve-placement-ms and x-pdserve-predicted-ttft-ms on the answer; pdserve_proxy:placement_total
+{choice} and pdserve_proxy:placement_seconds in /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from fastapi.responses import Response
+
+from pdserve.proxy.client import NodeError
+from pdserve.proxy.costs import CostModel
+from pdserve.proxy.flows.base import ClientRequest, Flow
+from pdserve.proxy.placement import Placer
+from pdserve.proxy.prompts import PromptTokens
+from pdserve.proxy.timing import RequestTiming
+
+
+class AutoFlow(Flow):
+    name = "auto"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.config.profile:
+            raise ValueError("auto mode needs --profile (make one with `pdserve profile --quick --out profile.json`)")
+        if not self.config.model_dir:
+            raise ValueError("auto mode needs the model (--model) to tokenize prompts as the nodes do")
+        if self.index is None:
+            raise ValueError("auto mode needs the nodes' prefix caches (a PrefixIndex)")
+        self.placer = Placer(CostModel.load(self.config.profile), self.index, self.config.stall_weight)
+        self.prompts = PromptTokens(self.config.model_dir)
+
+    async def serve(self, req: ClientRequest) -> Response:
+        start = time.perf_counter()
+        token_ids = self.prompts.of(req.parsed)
+        failed: set[str] = set()
+        while True:
+            placement = self.placer.place(token_ids, [p for p in self.members.prefillers if p.url not in failed],
+                                          [d for d in self.members.decoders if d.url not in failed])
+            timing = req.timing
+            if timing.placement is None:  # the first choice is what placing cost
+                timing.placement_s = time.perf_counter() - start
+                self.metrics.placed(placement.choice, timing.placement_s)
+            timing.placement, timing.predicted_ttft_s = placement.choice, placement.ttft_s
+            Placer.dispatched(placement)
+            decoder, prefiller = placement.decoder, placement.prefiller
+            try:
+                body = req.body
+                if prefiller is not None:
+                    body = {**req.body, "kv_transfer_params": await self.prefill_for_pull(prefiller, req)}
+                return await self.answer(decoder, self.ask(decoder, req, body), req)
+            except NodeError as exc:
+                node = next((n for n in (decoder, prefiller) if n is not None and n.url == exc.node), None)
+                if node is None or not exc.retryable:
+                    raise
+                failed.add(node.url)
+                self._retry_elsewhere(exc, node, failed, self.members.nodes())
+
+    def split_stages(self, response: httpx.Response, timing: RequestTiming) -> None:
+        if timing.placement == "local":
+            self.split_stages_one_node(response, timing)
+        else:
+            super().split_stages(response, timing)

@@ -1,0 +1,140 @@
+"""Auto mode's placement: the proxy's cost model against the planner's, each rule of the choice on
+known costs, and a real P + D behind `pdserve proxy --mode auto`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import metric, start_pdserve
+from test_pd_pull import MODEL, NODE
+from test_plan_simulator import known_profile
+
+from pdserve.kv.events import KVSnapshot
+from pdserve.kv.prefix_hash import block_hashes
+from pdserve.plan.profile import Profile
+from pdserve.proxy.costs import CostModel
+from pdserve.proxy.membership import Membership
+from pdserve.proxy.placement import Placer
+from pdserve.proxy.policies import Node, NoHealthyNode
+from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
+
+PROFILE = Path(__file__).parents[1] / "docs" / "results" / "profile.json"
+
+
+def test_the_proxys_costs_are_the_planners():
+    profile, costs = Profile.load(PROFILE), CostModel.load(PROFILE)
+    budget = profile.meta["node"]["max_num_batched_tokens"]
+    for tokens, cached in ((16, 0), (300, 0), (3000, 0), (3000, 2048), (5000, 1000)):
+        assert costs.prefill_s(tokens, cached) == pytest.approx(profile.prefill_time(tokens, budget, cached))
+    assert costs.step_s(8, 4000) == pytest.approx(profile.decode_step_time(8, 4000))
+    nbytes = 1000 * profile.meta["node"]["kv_bytes_per_token"]
+    assert costs.transfer_s(1000, "tcp") == pytest.approx(profile.transfer_time("tcp", nbytes))
+
+
+def test_a_bad_profile_is_named(tmp_path):
+    with pytest.raises(ValueError, match="--profile /nonexistent.json: No such file"):
+        CostModel.load("/nonexistent.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"prefill_chunk": {"features": ["one", "tokens"], "coefficients": [0, 1]}}))
+    with pytest.raises(ValueError, match="not a pdserve profile"):
+        CostModel.load(bad)
+
+
+def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None, stale: tuple[str, ...] = ()) -> Placer:
+    """Known costs (prefill chunk 10 ms + 1 ms/token, budget 512; transfer 2 ms + 1 ms/MB); each
+    node's prefix cache holding `held[url]` hashes."""
+    path = tmp_path / "profile.json"
+    known_profile().save(path)
+    index = PrefixIndex(Membership("auto"), client=None)
+    for node in nodes:
+        index.caches[node.url] = cache = NodeCache()
+        cache.load(KVSnapshot("e", 0, 16, (held or {}).get(node.url, [])))
+        cache.synced = node.url not in stale
+    return Placer(CostModel.load(path), index)
+
+
+def test_a_short_prompt_on_idle_nodes_is_prefilled_where_it_decodes(tmp_path):
+    p, d = Node("http://p:1", "prefill"), Node("http://d:1", "decode")
+    choice = placer(tmp_path, [p, d]).place(list(range(100)), [p], [d])
+    assert (choice.decoder, choice.prefiller, choice.choice) == (d, None, "local")
+    assert choice.ttft_s == pytest.approx(0.010 + 0.100)  # no queue, no hop in this profile
+
+
+def test_a_prompt_that_would_stall_the_decoding_streams_goes_to_a_prefill_node(tmp_path):
+    p, d = Node("http://p:1", "prefill"), Node("http://d:1", "decode")
+    d.active_requests = 4  # streams decoding on D
+    choice = placer(tmp_path, [p, d]).place(list(range(100)), [p], [d])
+    assert choice.choice == "remote" and choice.prefiller is p
+    transfer, last_token = 0.002 + 100 * 1000 * 1e-9, 0.010 + 0.001
+    assert choice.ttft_s == pytest.approx(0.110 + transfer + last_token)
+    assert choice.stall_s == pytest.approx(4 * last_token)
+    p.prefill_backlog_until = time.monotonic() + 30.0  # P is 30 s behind: D's stall is the lesser harm
+    assert placer(tmp_path, [p, d]).place(list(range(100)), [p], [d]).choice == "local"
+
+
+def test_the_node_holding_the_prefix_wins_unless_its_copy_is_stale(tmp_path):
+    a, b = Node("http://a:1", "both"), Node("http://b:1", "both")
+    prompt = list(range(500))
+    held = {b.url: block_hashes(prompt[:320], 16)}  # B holds the first 320 tokens
+    choice = placer(tmp_path, [a, b], held).place(prompt, [], [a, b])
+    assert choice.decoder is b and choice.cached_tokens == 320
+    assert choice.ttft_s == pytest.approx(0.010 + 180 * 0.001)
+    b.active_requests = 1  # stale: B counts as holding nothing, and A is less loaded
+    choice = placer(tmp_path, [a, b], held, stale=(b.url,)).place(prompt, [], [a, b])
+    assert choice.decoder is a and choice.cached_tokens == 0
+
+
+def test_no_node_that_decodes_is_an_error(tmp_path):
+    p, d = Node("http://p:1", "prefill"), Node("http://d:1", "decode", healthy=False)
+    with pytest.raises(NoHealthyNode, match="no healthy decode or colocated node"):
+        placer(tmp_path, [p, d]).place([1, 2, 3], [p], [d])
+
+
+def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
+    """A real P and D: a prompt with D idle is prefilled on D; another while D streams a long answer
+    goes to P and is pulled; asked again once D is idle (and holds it), it is prefilled on D, with
+    the same greedy tokens."""
+    profile = tmp_path / "profile.json"
+    known_profile(budget=2048).save(profile)
+    prefill = start_pdserve(["serve", "--role", "prefill", *NODE], tmp_path, "prefill")
+    decode = start_pdserve(["serve", "--role", "decode", *NODE], tmp_path, "decode")
+    proxy = start_pdserve(["proxy", "--mode", "auto", "--profile", str(profile), "--prefill", prefill.url,
+                           "--decode", decode.url], tmp_path, "proxy")
+    try:
+        prompt = "The history of the Roman Empire, from the founding of the city to the fall of Constantinople,"
+        ask = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        local = httpx.post(proxy.url + "/v1/completions", json=ask, timeout=120)
+        assert local.status_code == 200, local.text
+        assert local.headers["x-pdserve-placement"] == "local"
+        assert float(local.headers["x-pdserve-placement-ms"]) < 50
+
+        busy = threading.Thread(target=lambda: httpx.post(
+            proxy.url + "/v1/completions", timeout=300,
+            json={"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 400, "temperature": 0,
+                  "ignore_eos": True}))
+        busy.start()
+        deadline = time.monotonic() + 30
+        while metric(decode.url, "pdserve:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the long answer never started on D"
+            time.sleep(0.05)
+        other = {**ask, "prompt": "Once upon a time, in a small village by the sea, there lived an old fisherman"}
+        remote = httpx.post(proxy.url + "/v1/completions", json=other, timeout=120)
+        busy.join()
+        assert remote.status_code == 200, remote.text
+        assert remote.headers["x-pdserve-placement"] == "remote"
+        again = httpx.post(proxy.url + "/v1/completions", json=other, timeout=120)
+        assert again.headers["x-pdserve-placement"] == "local"
+        assert again.json()["choices"][0]["text"] == remote.json()["choices"][0]["text"]
+        assert metric(proxy.url, "pdserve_proxy:placement_total", 'choice="local"') == 3
+        assert metric(proxy.url, "pdserve_proxy:placement_total", 'choice="remote"') == 1
+        assert metric(proxy.url, "pdserve_proxy:placement_seconds_count") == 4
+        assert metric(prefill.url, "pdserve:kv_blocks_held") == 0  # D pulled P's KV and P freed it
+    finally:
+        proxy.stop()
+        decode.stop()
+        prefill.stop()
