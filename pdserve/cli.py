@@ -123,7 +123,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     proxy = Proxy(ProxyConfig(args.prefill or [], args.decode or [], args.policy, args.mode, meta_url=meta_url,
                               node_urls=args.node or [], api_key=resolve_api_key(args.api_key),
                               max_waiting=args.max_waiting, nodes_file=args.nodes_file, profile=args.profile,
-                              model_dir=model_dir, stall_weight=args.stall_weight))
+                              model_dir=model_dir, stall_weight=args.stall_weight, placement=args.placement,
+                              remote_prefill_threshold=args.remote_prefill_threshold))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -228,6 +229,14 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) ->
     parser.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
 
 
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--placement", default="cost", choices=["cost", "round_robin", "least_loaded", "threshold", "scorers"],
+                        help="auto: pdserve's cost-based choice, or a baseline rule: round_robin / least_loaded "
+                             "(always P when the decode node is a D), threshold (Dynamo's), scorers (llm-d's)")
+    parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
+                        help="auto, threshold / scorers: uncached prompt tokens past which a P node prefills")
+
+
 def add_guard_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require Authorization: Bearer <key> on the API (default: $PDSERVE_API_KEY)")
@@ -288,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--stall-weight", type=float, default=1.0, metavar="W",
                        help="auto: what a second of delay to each stream already decoding counts for, "
                             "against a second of the request's TTFT")
+    add_placement_args(proxy)
     proxy.add_argument("--nodes-file", default=None, metavar="JSON",
                        help='nodes to route to, re-read when it changes: {"prefill": [URL...], "decode": [URL...]} '
                             '(colocated: {"node": [URL...]}); adds to --prefill / --decode / --node')
@@ -308,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")
     up.add_argument("--profile", default=None, metavar="JSON", help="auto: a `pdserve profile` of this machine")
     up.add_argument("--stall-weight", type=float, default=1.0, metavar="W", help="auto: see `pdserve proxy --help`")
+    add_placement_args(up)
     up.add_argument("--colocated", type=int, default=0, metavar="N",
                     help="instead of P/D: N colocated (--role both) nodes behind the proxy")
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -70,7 +70,8 @@ def run_up(args) -> int:
             proxy_args += ["--mode", "colocated", "--node", *[n.url for n in nodes]]
         elif args.mode == "auto":
             proxy_args += ["--mode", "auto", "--profile", args.profile, "--model", model_dir,
-                           "--stall-weight", str(args.stall_weight)]
+                           "--stall-weight", str(args.stall_weight), "--placement", args.placement,
+                           "--remote-prefill-threshold", str(args.remote_prefill_threshold)]
             for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--node")):
                 urls = [n.url for n in nodes if n.role == role]
                 proxy_args += [flag, *urls] if urls else []

@@ -45,7 +45,8 @@ def test_a_bad_profile_is_named(tmp_path):
         CostModel.load(bad)
 
 
-def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None, stale: tuple[str, ...] = ()) -> Placer:
+def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None, stale: tuple[str, ...] = (),
+           rule: str = "cost") -> Placer:
     """Known costs (prefill chunk 10 ms + 1 ms/token, budget 512; transfer 2 ms + 1 ms/MB); each
     node's prefix cache holding `held[url]` hashes."""
     path = tmp_path / "profile.json"
@@ -55,7 +56,7 @@ def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None
         index.caches[node.url] = cache = NodeCache()
         cache.load(KVSnapshot("e", 0, 16, (held or {}).get(node.url, [])))
         cache.synced = node.url not in stale
-    return Placer(CostModel.load(path), index)
+    return Placer(CostModel.load(path), index, rule, threshold_tokens=256)
 
 
 def test_a_short_prompt_on_idle_nodes_is_prefilled_where_it_decodes(tmp_path):
@@ -87,6 +88,33 @@ def test_the_node_holding_the_prefix_wins_unless_its_copy_is_stale(tmp_path):
     b.active_requests = 1  # stale: B counts as holding nothing, and A is less loaded
     choice = placer(tmp_path, [a, b], held, stale=(b.url,)).place(prompt, [], [a, b])
     assert choice.decoder is a and choice.cached_tokens == 0
+
+
+def test_the_baseline_rules_choose_as_their_systems_do(tmp_path):
+    p, d1, d2 = Node("http://p:1", "prefill"), Node("http://d1:1", "decode"), Node("http://d2:1", "decode")
+    short, long = list(range(100)), list(range(1000))
+    rr = placer(tmp_path, [p, d1, d2], rule="round_robin")
+    picks = [rr.place(short, [p], [d1, d2]) for _ in range(3)]
+    assert [c.decoder for c in picks] == [d1, d2, d1] and all(c.prefiller is p for c in picks)  # always disaggregated
+
+    held = {d2.url: block_hashes(long[:800], 16)}
+    threshold = placer(tmp_path, [p, d1, d2], held, rule="threshold")  # Dynamo: 256 uncached tokens
+    assert threshold.place(short, [p], [d1, d2]).choice == "local"
+    choice = threshold.place(long, [p], [d1, d2])
+    assert (choice.decoder, choice.choice) == (d2, "local")  # D2 holds 800 of 1000: 200 uncached
+    d2.active_tokens = 5000  # D2 busy: D1, which holds nothing, and a P prefill
+    assert threshold.place(long, [p], [d1, d2]).prefiller is p
+    p.active_requests = 2  # P's queue is long: stay local
+    assert threshold.place(long, [p], [d1, d2]).choice == "local"
+
+    p.active_requests, d2.active_tokens = 0, 0
+    scorers = placer(tmp_path, [p, d1, d2], held, rule="scorers")  # llm-d: prefix x3, queue x2, KV x2
+    assert scorers.place(long, [p], [d1, d2]).decoder is d2
+    d2.active_requests, d2.kv_usage = 4, 0.9  # 3 x 0.8 + 0 + 0.2 < 0 + 2 + 2
+    choice = scorers.place(long, [p], [d1, d2])
+    assert choice.decoder is d1 and choice.prefiller is p
+    with pytest.raises(ValueError, match="--placement must be one of"):
+        placer(tmp_path, [p], rule="fastest")
 
 
 def test_no_node_that_decodes_is_an_error(tmp_path):

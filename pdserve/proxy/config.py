@@ -26,3 +26,5 @@ class ProxyConfig:
     profile: str | None = None  # auto: the `pdserve profile` file placements are priced from
     model_dir: str | None = None  # auto: the model whose tokenizer and chat template the nodes use
     stall_weight: float = 1.0  # auto: a second of delay to each stream decoding, against a second of TTFT
+    placement: str = "cost"  # auto: cost, or a baseline rule (proxy/placement.py: Placer)
+    remote_prefill_threshold: int = 512  # auto, threshold / scorers rules: uncached tokens past which P prefills

@@ -16,12 +16,13 @@ of delay to each stream already decoding counts as much as a second of this requ
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.proxy.costs import CostModel
-from pdserve.proxy.policies import Node, NoHealthyNode
+from pdserve.proxy.policies import LeastLoaded, Node, NoHealthyNode
 from pdserve.proxy.prefix_index import PrefixIndex
 
 
@@ -42,54 +43,124 @@ class Placement:
         return self.ttft_s + stall_weight * self.stall_s
 
 
+class PromptView:
+    """One prompt against the nodes now: the blocks each holds, its queue, and each option's price."""
+
+    def __init__(self, token_ids: list[int], costs: CostModel, index: PrefixIndex, transport: str) -> None:
+        self.token_ids, self.costs, self.index, self.transport = token_ids, costs, index, transport
+        self.now = time.monotonic()
+        self._hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
+        self._cached: dict[str, int] = {}
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    def cached(self, node: Node) -> int:
+        """Prompt tokens the node's prefix cache holds (0 while the proxy's copy of it is stale)."""
+        if node.url not in self._cached:
+            copy, n = self.index.cache(node), self.tokens
+            hit = 0
+            if copy is not None and copy.synced and copy.block_size:
+                size = copy.block_size
+                if size not in self._hashes:
+                    self._hashes[size] = block_hashes(self.token_ids, size)
+                hit = min(copy.cached_blocks(self._hashes[size]) * size, n - 1)  # one token is always computed
+            self._cached[node.url] = hit
+        return self._cached[node.url]
+
+    def wait(self, node: Node) -> float:
+        return max(node.prefill_backlog_until - self.now, 0.0)
+
+    def local(self, d: Node) -> Placement:
+        hit = self.cached(d)
+        seconds = self.costs.prefill_s(self.tokens, hit)
+        return Placement(d, None, hit, seconds, self.wait(d) + self.costs.request_hop_s + seconds,
+                         seconds * d.active_requests)
+
+    def prefill_ttft(self, p: Node) -> float:
+        """When P would answer the proxy: its queue, a hop, the prefill of what it does not hold."""
+        return self.wait(p) + self.costs.request_hop_s + self.costs.prefill_s(self.tokens, self.cached(p))
+
+    def remote(self, d: Node, p: Node) -> Placement:
+        n, costs, hit = self.tokens, self.costs, self.cached(p)
+        last_token = costs.prefill_s(n, n - 1)  # D computes the last prompt token itself
+        ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), self.transport) + costs.request_hop_s
+                + self.wait(d) + last_token)
+        return Placement(d, p, hit, costs.prefill_s(n, hit), ttft, last_token * d.active_requests)
+
+    def uncached(self, node: Node) -> int:
+        return self.tokens - self.cached(node)
+
+
 class Placer:
-    def __init__(self, costs: CostModel, index: PrefixIndex, stall_weight: float = 1.0, transport: str = "shm") -> None:
-        self.costs, self.index, self.stall_weight, self.transport = costs, index, stall_weight, transport
+    """Chooses by `rule`: `cost` (pdserve's, above) or a baseline in the same code path:
+    `round_robin` and `least_loaded` (decode node by that policy; prefill on a P node whenever the
+    decode node is a D), `threshold` (Dynamo's: the decode node of least uncached prefill + load;
+    prefill remotely only when the uncached prompt exceeds `threshold_tokens` and P's queue is
+    short), `scorers` (llm-d's: prefix cache x3 + queue x2 + KV usage x2, normalized; prefill
+    remotely when the uncached suffix exceeds `threshold_tokens`)."""
 
-    def options(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node]) -> list[Placement]:
-        now, costs, n = time.monotonic(), self.costs, len(token_ids)
-        hop = costs.request_hop_s
-        hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
+    RULES = ("cost", "round_robin", "least_loaded", "threshold", "scorers")
+    MAX_PREFILL_QUEUE = 2  # threshold: requests on a P node past which the prefill stays local
 
-        def cached(node: Node) -> int:
-            copy = self.index.cache(node)
-            if copy is None or not copy.synced or not copy.block_size:
-                return 0
-            size = copy.block_size
-            if size not in hashes:
-                hashes[size] = block_hashes(token_ids, size)
-            return min(copy.cached_blocks(hashes[size]) * size, n - 1)  # one token is always computed
+    def __init__(self, costs: CostModel, index: PrefixIndex, rule: str = "cost", stall_weight: float = 1.0,
+                 threshold_tokens: int = 512, transport: str = "shm") -> None:
+        if rule not in self.RULES:
+            raise ValueError(f"--placement must be one of {', '.join(self.RULES)}, got {rule!r}")
+        self.costs, self.index, self.rule, self.transport = costs, index, rule, transport
+        self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._least_loaded = LeastLoaded()
 
-        def wait(node: Node) -> float:
-            return max(node.prefill_backlog_until - now, 0.0)
-
-        best_p: tuple[float, Node, int, float] | None = None  # (TTFT, node, cached, prefill s): which D decodes does not change it
-        for p in prefillers:
-            hit = cached(p)
-            seconds = costs.prefill_s(n, hit)
-            ttft = wait(p) + hop + seconds
-            if best_p is None or ttft < best_p[0]:
-                best_p = (ttft, p, hit, seconds)
+    def options(self, view: PromptView, prefillers: list[Node], decoders: list[Node]) -> list[Placement]:
+        """Every decode node, prefilling locally or on the P node that would answer first."""
+        p = min(prefillers, key=view.prefill_ttft, default=None)
         options = []
         for d in decoders:
-            hit = cached(d)
-            seconds = costs.prefill_s(n, hit)
-            options.append(Placement(d, None, hit, seconds, wait(d) + hop + seconds, seconds * d.active_requests))
-            if best_p is not None and d.role == "decode":
-                p_ttft, p, p_hit, p_seconds = best_p
-                last_token = costs.prefill_s(n, n - 1)  # D computes the last prompt token itself
-                ttft = p_ttft + costs.transfer_s(n - hit, self.transport) + hop + wait(d) + last_token
-                options.append(Placement(d, p, p_hit, p_seconds, ttft, last_token * d.active_requests))
+            options.append(view.local(d))
+            if p is not None and d.role == "decode":
+                options.append(view.remote(d, p))
         return options
 
     def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node]) -> Placement:
-        """The cheapest option over healthy nodes; NoHealthyNode if no node can decode."""
+        """The rule's choice over healthy nodes; NoHealthyNode if no node can decode."""
         prefillers = [p for p in prefillers if p.healthy]
         decoders = [d for d in decoders if d.healthy]
         if not decoders:
             raise NoHealthyNode("no healthy decode or colocated node")
-        options = self.options(token_ids, prefillers, decoders)
-        return min(options, key=lambda o: (o.score(self.stall_weight), o.decoder.active_requests))
+        view = PromptView(token_ids, self.costs, self.index, self.transport)
+        if self.rule == "cost":
+            return min(self.options(view, prefillers, decoders),
+                       key=lambda o: (o.score(self.stall_weight), o.decoder.active_requests))
+        if self.rule in ("round_robin", "least_loaded"):
+            d = self._by_policy(decoders, "decode", view)
+            if d.role == "decode" and prefillers:
+                return view.remote(d, self._by_policy(prefillers, "prefill", view))
+            return view.local(d)
+        if self.rule == "threshold":
+            d = min(decoders, key=lambda n: (view.uncached(n) + n.active_tokens, n.active_requests))
+            p = min(prefillers, key=lambda n: (n.active_requests, view.uncached(n)), default=None)
+            if (d.role == "decode" and p is not None and view.uncached(d) > self.threshold_tokens
+                    and p.active_requests < self.MAX_PREFILL_QUEUE):
+                return view.remote(d, p)
+            return view.local(d)
+        d = max(decoders, key=lambda n: self._llmd_score(n, decoders, view))
+        if d.role == "decode" and prefillers and view.uncached(d) > self.threshold_tokens:
+            return view.remote(d, max(prefillers, key=lambda n: self._llmd_score(n, prefillers, view)))
+        return view.local(d)
+
+    def _by_policy(self, nodes: list[Node], kind: str, view: PromptView) -> Node:
+        if self.rule == "round_robin":
+            return nodes[next(self._turns[kind]) % len(nodes)]
+        return self._least_loaded.choose(nodes, view.tokens)
+
+    @staticmethod
+    def _llmd_score(node: Node, nodes: list[Node], view: PromptView) -> float:
+        longest_queue = max(n.active_requests for n in nodes)
+        prefix = view.cached(node) / view.tokens
+        queue = 1.0 - node.active_requests / longest_queue if longest_queue else 1.0
+        return 3 * prefix + 2 * queue + 2 * (1.0 - node.kv_usage)
 
     @staticmethod
     def dispatched(placement: Placement) -> None:

@@ -36,7 +36,8 @@ class AutoFlow(Flow):
             raise ValueError("auto mode needs the model (--model) to tokenize prompts as the nodes do")
         if self.index is None:
             raise ValueError("auto mode needs the nodes' prefix caches (a PrefixIndex)")
-        self.placer = Placer(CostModel.load(self.config.profile), self.index, self.config.stall_weight)
+        self.placer = Placer(CostModel.load(self.config.profile), self.index, self.config.placement,
+                             self.config.stall_weight, self.config.remote_prefill_threshold)
         self.prompts = PromptTokens(self.config.model_dir)
 
     async def serve(self, req: ClientRequest) -> Response:
