@@ -215,7 +215,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) -> None:
     """Which requests: `pdserve bench`, `simulate` and `plan` read the same dataset flags."""
-    parser.add_argument("--dataset", default="random", help="random | mixed | path to a ShareGPT JSON file")
+    parser.add_argument("--dataset", default="random",
+                        help="random | mixed | multiturn | path to a ShareGPT JSON file")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +- this fraction")
@@ -224,7 +225,14 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) ->
     parser.add_argument("--short-output-len", type=int, default=128)
     parser.add_argument("--long-input-len", type=int, default=2048)
     parser.add_argument("--long-output-len", type=int, default=64)
-    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    parser.add_argument("--system-prompt-len", type=int, default=512, help="multiturn: tokens of the shared system prompt")
+    parser.add_argument("--turn-input-len", type=int, default=64, help="multiturn: tokens of each user turn")
+    parser.add_argument("--turn-output-len", type=int, default=64, help="multiturn: tokens of each answer")
+    parser.add_argument("--think-time", type=float, default=1.0, metavar="S",
+                        help="multiturn: mean pause between an answer and the next turn (exponential)")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts,
+                        help="requests (multiturn: conversations; each has --turns requests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
 

@@ -22,6 +22,8 @@ class BenchRequest:
     prompt: str | list[int]  # text, or token ids (completions only)
     input_len: int
     output_len: int
+    conversation: int | None = None  # multiturn: turns of one conversation go in order, one at a time
+    think_s: float = 0.0  # multiturn: the user's pause after the previous turn's answer
 
 
 @dataclass
@@ -68,6 +70,27 @@ def mixed_dataset(n: int, seed: int, long_fraction: float = 0.1, short: tuple[in
     for i in range(n):
         inp, outp = long if rng.random() < long_fraction else short
         out.extend(random_dataset(1, inp, outp, 0.0, seed * 100_003 + i))
+    return out
+
+
+def multiturn_dataset(n: int, seed: int, turns: int = 4, system_len: int = 512, user_len: int = 64,
+                      answer_len: int = 64, think_s: float = 1.0) -> list[BenchRequest]:
+    """`n` seeded conversations of `turns` turns, all opening with one shared system prompt. Turn k
+    sends the history: system prompt, then each earlier user turn and a seeded answer of
+    `answer_len` tokens (the same tokens every run, not the server's answer), then the new user
+    turn; it asks for `answer_len` tokens. A user thinks for an exponential time of mean `think_s`
+    between an answer and the next turn. Listed conversation by conversation, turns in order."""
+    rng = random.Random(seed)
+    system = random_prompts(1, system_len, seed * 7 + 1)[0] if system_len else []
+    out = []
+    for c in range(n):
+        history = list(system)
+        for k in range(turns):
+            user, answer = random_prompts(2, user_len, seed * 100_003 + c * 1_009 + k)
+            history += user
+            out.append(BenchRequest(list(history), len(history), answer_len, conversation=c,
+                                    think_s=rng.expovariate(1 / think_s) if think_s > 0 and k else 0.0))
+            history += answer[:answer_len]
     return out
 
 
@@ -194,19 +217,27 @@ def requests_from_args(args) -> list[BenchRequest]:
         raise ValueError("--num-prompts must be >= 1")
     tokenizer = None
     chat = getattr(args, "endpoint", "completions") == "chat"  # only `pdserve bench` has an endpoint
-    if args.dataset not in ("random", "mixed") or chat:
+    if args.dataset not in ("random", "mixed", "multiturn") or chat:
         from pdserve.models.locate import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(resolve_model_dir(args.tokenizer))
     if args.dataset == "random":
         requests = random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+    elif args.dataset == "multiturn":
+        for flag in ("turns", "system_prompt_len", "turn_input_len", "turn_output_len"):
+            if getattr(args, flag) < (0 if flag == "system_prompt_len" else 1):
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'system_prompt_len' else 1}")
+        if args.think_time < 0:
+            raise ValueError("--think-time must be >= 0")
+        requests = multiturn_dataset(args.num_prompts, args.seed, args.turns, args.system_prompt_len,
+                                     args.turn_input_len, args.turn_output_len, args.think_time)
     elif args.dataset == "mixed":
         requests = mixed_dataset(args.num_prompts, args.seed, args.long_fraction,
                                  (args.short_input_len, args.short_output_len), (args.long_input_len, args.long_output_len))
     else:
         if not Path(args.dataset).is_file():
-            raise ValueError(f"--dataset {args.dataset!r} is neither random, mixed nor a ShareGPT JSON file")
+            raise ValueError(f"--dataset {args.dataset!r} is neither random, mixed, multiturn nor a ShareGPT JSON file")
         requests = sharegpt_dataset(args.dataset, args.num_prompts, args.seed, tokenizer)
     if chat:
         requests = as_text(requests, tokenizer)

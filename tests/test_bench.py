@@ -8,13 +8,16 @@ import sys
 
 import numpy as np
 import pytest
-from servers import start_pdserve
+from servers import metric, start_pdserve
 
+from pdserve.benchmarks.serving import conversations
 from pdserve.platform import plan_kernels
 from pdserve.workload import (
+    BenchRequest,
     RequestResult,
     arrival_gaps,
     mixed_dataset,
+    multiturn_dataset,
     parse_goodput,
     random_dataset,
     summarize,
@@ -46,6 +49,23 @@ def test_datasets_are_seeded_with_the_asked_shapes():
     assert all(r.input_len == len(r.prompt) for r in mixed)
     rnd = random_dataset(200, 100, 20, 0.5, seed=2)
     assert all(50 <= r.input_len <= 150 and 10 <= r.output_len <= 30 for r in rnd)
+
+
+def test_multiturn_conversations_share_a_system_prompt_and_grow_their_history():
+    requests = multiturn_dataset(3, seed=5, turns=4, system_len=32, user_len=8, answer_len=6, think_s=2.0)
+    assert requests == multiturn_dataset(3, seed=5, turns=4, system_len=32, user_len=8, answer_len=6, think_s=2.0)
+    sessions = conversations(requests)
+    assert [len(turns) for turns in sessions] == [4, 4, 4]
+    assert len({tuple(turns[0].prompt[:32]) for turns in sessions}) == 1  # one system prompt for all
+    assert len({tuple(turns[0].prompt) for turns in sessions}) == 3  # different first user turns
+    for turns in sessions:
+        assert [t.input_len for t in turns] == [40, 54, 68, 82]  # + 6 answer + 8 user tokens a turn
+        for before, after in zip(turns, turns[1:]):
+            assert after.prompt[: before.input_len] == before.prompt  # each turn extends the last
+        assert turns[0].think_s == 0 and all(t.think_s > 0 for t in turns[1:]) and all(t.output_len == 6 for t in turns)
+    assert 1.0 < np.mean([t.think_s for t in requests if t.think_s]) < 4.0
+    with_singles = [BenchRequest([1], 1, 1)] + requests[:2] + [BenchRequest([2], 1, 1)]
+    assert [len(s) for s in conversations(with_singles)] == [1, 2, 1]
 
 
 def test_summary_uses_vllm_definitions():
@@ -84,5 +104,29 @@ def test_bench_against_a_real_node(tmp_path):
         assert engine["url"] == node.url
         assert (engine["dtype"], engine["kernels"], engine["isa"]) == (plan.dtype, plan.kernels, plan.isa)
         assert f"{plan.dtype}, {plan.kernels} kernels, {plan.isa}" in proc.stdout
+    finally:
+        node.stop()
+
+
+def test_bench_multiturn_sends_each_conversations_turns_in_order_and_the_node_reuses_their_history(tmp_path):
+    node = start_pdserve(["serve", "--kv-cache-memory", "0.1"], tmp_path, "multiturn_node")
+    try:
+        out = tmp_path / "r.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "bench", "--base-url", node.url, "--dataset", "multiturn",
+             "--num-prompts", "2", "--turns", "3", "--system-prompt-len", "64", "--turn-input-len", "16",
+             "--turn-output-len", "4", "--think-time", "0.2", "--request-rate", "inf", "--out", str(out)],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        result = json.loads(out.read_text())
+        assert result["completed"] == 6 and result["failed"] == 0
+        starts, e2els = result["start_times"], result["e2els"]
+        for c in range(2):  # a conversation's next turn starts after the last answer ended
+            for k in range(c * 3, c * 3 + 2):
+                assert starts[k + 1] >= starts[k] + e2els[k]
+        prompts = sum(result["input_lens"])  # 80, 100, 120 tokens per conversation
+        computed = metric(node.url, "pdserve:prefill_tokens_computed")
+        assert prompts == 2 * (80 + 100 + 120) and computed < prompts - 4 * 64  # history and system prompt reused
     finally:
         node.stop()

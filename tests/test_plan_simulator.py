@@ -244,3 +244,10 @@ def test_simulate_cli_writes_benchs_fields(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "simulate", "--profile", str(path), "--setup", "pull:3"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--setup 'pull:3'" in bad.stderr
+
+
+def test_conversations_are_refused_until_the_simulator_models_them():
+    from pdserve.workload import multiturn_dataset
+
+    with pytest.raises(ValueError, match="does not model conversations yet"):
+        run("colocated:1", multiturn_dataset(2, seed=0, turns=2, system_len=16, user_len=8, answer_len=4))

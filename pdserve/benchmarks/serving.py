@@ -96,7 +96,10 @@ def stage_headers(headers: httpx.Headers) -> dict[str, float]:
 async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, model: str | None, rate: float,
                         burstiness: float, max_concurrency: int | None, seed: int,
                         show_progress: bool = True) -> tuple[list[RequestResult], float]:
-    gaps = arrival_gaps(len(requests), rate, burstiness, seed)
+    """Send the requests at the rate; a conversation's turns (multiturn) go one after another, each
+    after the previous answer and its think time, and the conversations arrive at the rate."""
+    sessions = conversations(requests)
+    gaps = arrival_gaps(len(sessions), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = httpx.Timeout(None, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
@@ -111,15 +114,39 @@ async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, m
             bar.update(1)
             return res
 
+        async def session(turns: list[BenchRequest]) -> list[RequestResult]:
+            results = []
+            for req in turns:
+                if results:
+                    await asyncio.sleep(req.think_s)
+                results.append(await one(req))
+            return results
+
         t0 = time.perf_counter()
         tasks = []
-        for req, gap in zip(requests, gaps):
+        for turns, gap in zip(sessions, gaps):
             await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(req)))
-        results = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(session(turns)))
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - t0
         bar.close()
     return results, duration
+
+
+def conversations(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+    """Requests grouped into the sequences that must go in order: one per conversation, in the order
+    conversations first appear; a request of no conversation is a sequence of its own."""
+    sessions: list[list[BenchRequest]] = []
+    by_id: dict[int, list[BenchRequest]] = {}
+    for req in requests:
+        if req.conversation is None:
+            sessions.append([req])
+        elif req.conversation in by_id:
+            by_id[req.conversation].append(req)
+        else:
+            by_id[req.conversation] = [req]
+            sessions.append(by_id[req.conversation])
+    return sessions
 
 
 # -- metrics ------------------------------------------------------------------------------------

@@ -489,6 +489,9 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py).
     Every node runs the profiled node's settings, with the token budget and chunking given here;
     itls=False leaves the per-token gaps out (the planner reads TTFT and TPOT only)."""
+    if any(req.conversation is not None for req in requests):
+        raise ValueError("--dataset multiturn: the simulator does not model conversations yet (turns that wait "
+                         "for the previous answer and reuse its cached prefix)")
     sim = Simulation(profile)
     batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill)
     proxy = Proxy(sim, setup, policy, transport, batching)
