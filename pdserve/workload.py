@@ -37,6 +37,7 @@ class RequestResult:
     error: str = ""
     start: float = 0.0  # seconds since the run began
     stages_ms: dict[str, float] = field(default_factory=dict)  # pdserve's x-pdserve-*-ms headers, if any
+    placement: str = ""  # pdserve's auto mode: where the prompt was prefilled (x-pdserve-placement)
 
     @property
     def tpot_ms(self) -> float:
@@ -195,6 +196,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     out["start_times"] = [r.start for r in results]
     out["e2els"] = [r.e2el_ms / 1e3 for r in results]
     out["stages_ms"] = [r.stages_ms for r in results]
+    out["placements"] = [r.placement for r in results]
     out["errors"] = [r.error for r in results]
     return out
 

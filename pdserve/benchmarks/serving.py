@@ -45,6 +45,7 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
             result.stages_ms = stage_headers(response.headers)
+            result.placement = response.headers.get("x-pdserve-placement", "")
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
