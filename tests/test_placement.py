@@ -140,6 +140,8 @@ def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
         assert local.status_code == 200, local.text
         assert local.headers["x-pdserve-placement"] == "local"
         assert float(local.headers["x-pdserve-placement-ms"]) < 50
+        empty = httpx.post(proxy.url + "/v1/completions", json={**ask, "prompt": ""}, timeout=60)
+        assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
 
         busy = threading.Thread(target=lambda: httpx.post(
             proxy.url + "/v1/completions", timeout=300,

@@ -112,6 +112,10 @@ class PrefixIndex:
                 cache.stale()
                 logger.debug("KV events of %s: %s", node.url, exc)
                 await asyncio.sleep(RETRY_S)
+            except Exception:  # never let the copy die silently: it would stay trusted and wrong
+                cache.stale()
+                logger.exception("following the KV events of %s failed; retrying", node.url)
+                await asyncio.sleep(RETRY_S)
 
     async def _get(self, node: Node, path: str, kind: type):
         response = await self.client.get(node, path, POLL_WAIT_S + 5.0)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.sampling_params import InvalidParameter
 
 
 class PromptTokens:
@@ -14,8 +15,17 @@ class PromptTokens:
         self.tokenizer = Tokenizer(model_dir)
 
     def of(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """InvalidParameter (a 400) where the node would refuse the prompt too."""
         if isinstance(body, ChatCompletionRequest):
-            prompt = self.tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt)
+            try:
+                prompt = self.tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt)
+            except InvalidParameter:
+                raise
+            except ValueError as exc:  # the template refused the messages
+                raise InvalidParameter("messages", str(exc)) from None
         else:
             prompt = body.single_prompt()
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidParameter("prompt", "prompt must not be empty")
+        return ids
