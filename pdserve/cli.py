@@ -112,6 +112,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from pdserve.api.guards import resolve_api_key
     from pdserve.api.http import serve_app
     from pdserve.proxy.app import Proxy, ProxyConfig
+    from pdserve.workload import parse_goodput
 
     meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
@@ -124,7 +125,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                               node_urls=args.node or [], api_key=resolve_api_key(args.api_key),
                               max_waiting=args.max_waiting, nodes_file=args.nodes_file, profile=args.profile,
                               model_dir=model_dir, stall_weight=args.stall_weight, placement=args.placement,
-                              remote_prefill_threshold=args.remote_prefill_threshold))
+                              remote_prefill_threshold=args.remote_prefill_threshold,
+                              slos=parse_goodput(args.slo) if args.slo else None))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -143,6 +145,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ValueError("--nodes N is for --mode auto (colocated nodes: --colocated N)")
         if args.nodes < 1:
             raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.slo:
+        from pdserve.workload import parse_goodput
+
+        parse_goodput(args.slo)  # a bad --slo stops here, not in the proxy after the nodes started
     if args.mode == "auto" and not args.profile:
         raise ValueError("--mode auto needs --profile (make one with `pdserve profile --quick --out profile.json`)")
     return run_up(args)
@@ -243,6 +249,8 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
                              "(always P when the decode node is a D), threshold (Dynamo's), scorers (llm-d's)")
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
                         help="auto, threshold / scorers: uncached prompt tokens past which a P node prefills")
+    parser.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS",
+                        help="auto, cost: ttft:MS tpot:MS; placements that make the fewest requests miss them first")
 
 
 def add_guard_args(parser: argparse.ArgumentParser) -> None:

@@ -71,7 +71,8 @@ def run_up(args) -> int:
         elif args.mode == "auto":
             proxy_args += ["--mode", "auto", "--profile", args.profile, "--model", model_dir,
                            "--stall-weight", str(args.stall_weight), "--placement", args.placement,
-                           "--remote-prefill-threshold", str(args.remote_prefill_threshold)]
+                           "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+                           *(["--slo", *args.slo] if args.slo else [])]
             for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--node")):
                 urls = [n.url for n in nodes if n.role == role]
                 proxy_args += [flag, *urls] if urls else []

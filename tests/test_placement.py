@@ -19,7 +19,7 @@ from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.profile import Profile
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.membership import Membership
-from pdserve.proxy.placement import Placer
+from pdserve.proxy.placement import Placer, PromptView
 from pdserve.proxy.policies import Node, NoHealthyNode
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
 
@@ -46,7 +46,7 @@ def test_a_bad_profile_is_named(tmp_path):
 
 
 def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None, stale: tuple[str, ...] = (),
-           rule: str = "cost") -> Placer:
+           rule: str = "cost", slos: dict[str, float] | None = None) -> Placer:
     """Known costs (prefill chunk 10 ms + 1 ms/token, budget 512; transfer 2 ms + 1 ms/MB); each
     node's prefix cache holding `held[url]` hashes."""
     path = tmp_path / "profile.json"
@@ -56,7 +56,7 @@ def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None
         index.caches[node.url] = cache = NodeCache()
         cache.load(KVSnapshot("e", 0, 16, (held or {}).get(node.url, [])))
         cache.synced = node.url not in stale
-    return Placer(CostModel.load(path), index, rule, threshold_tokens=256)
+    return Placer(CostModel.load(path), index, rule, threshold_tokens=256, slos=slos)
 
 
 def test_a_short_prompt_on_idle_nodes_is_prefilled_where_it_decodes(tmp_path):
@@ -88,6 +88,23 @@ def test_the_node_holding_the_prefix_wins_unless_its_copy_is_stale(tmp_path):
     b.active_requests = 1  # stale: B counts as holding nothing, and A is less loaded
     choice = placer(tmp_path, [a, b], held, stale=(b.url,)).place(prompt, [], [a, b])
     assert choice.decoder is a and choice.cached_tokens == 0
+
+
+def test_with_slos_a_request_waits_behind_a_long_prefill_rather_than_overfill_a_decode_batch(tmp_path):
+    """A holds 3 streams (a step of 42.7 ms, within the 45 ms TPOT SLO); B is prefilling a long
+    prompt for 5 s more. By seconds alone, A is cheaper (TTFT 0.11 s + 3 x 0.11 s of stall against
+    5.11 s); but a 4th stream makes A's step 50 ms: 4 requests would miss the TPOT SLO, none does on
+    B, whose 5.11 s TTFT is within its SLO."""
+    a, b = Node("http://a:1", "both"), Node("http://b:1", "both")
+    a.active_requests, a.active_tokens = 3, 768
+    b.prefill_backlog_until = time.monotonic() + 5.0
+    prompt = list(range(100))
+    assert placer(tmp_path, [a, b]).place(prompt, [], [a, b], output_tokens=128).decoder is a
+    slo_aware = placer(tmp_path, [a, b], slos={"ttft_ms": 10_000, "tpot_ms": 45})
+    choice = slo_aware.place(prompt, [], [a, b], output_tokens=128)
+    assert choice.decoder is b
+    view = PromptView(prompt, slo_aware.costs, slo_aware.index, "shm")
+    assert slo_aware.misses(view.local(a), view, 128) == 4 and slo_aware.misses(view.local(b), view, 128) == 0
 
 
 def test_the_baseline_rules_choose_as_their_systems_do(tmp_path):

@@ -12,6 +12,9 @@ prefill: the transfer of what D does not hold, D's second hop and its recompute 
 prompt token). Its stall is the seconds of prefill run on the decode node times the streams it
 holds. The proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second
 of delay to each stream already decoding counts as much as a second of this request's TTFT.
+Given SLOs (`--slo ttft:MS tpot:MS`), it first takes the options that make the fewest requests
+miss them (Placer.misses): under a loose TTFT and a tight TPOT SLO, queueing behind a long
+prefill is cheaper than a decode batch one stream too big.
 """
 
 from __future__ import annotations
@@ -105,11 +108,12 @@ class Placer:
     MAX_PREFILL_QUEUE = 2  # threshold: requests on a P node past which the prefill stays local
 
     def __init__(self, costs: CostModel, index: PrefixIndex, rule: str = "cost", stall_weight: float = 1.0,
-                 threshold_tokens: int = 512, transport: str = "shm") -> None:
+                 threshold_tokens: int = 512, transport: str = "shm", slos: dict[str, float] | None = None) -> None:
         if rule not in self.RULES:
             raise ValueError(f"--placement must be one of {', '.join(self.RULES)}, got {rule!r}")
         self.costs, self.index, self.rule, self.transport = costs, index, rule, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
+        self.slos = slos or {}  # ttft_ms / tpot_ms: the cost rule first counts who would miss them
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._least_loaded = LeastLoaded()
 
@@ -123,8 +127,25 @@ class Placer:
                 options.append(view.remote(d, p))
         return options
 
-    def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node]) -> Placement:
-        """The rule's choice over healthy nodes; NoHealthyNode if no node can decode."""
+    def misses(self, option: Placement, view: PromptView, output_tokens: int) -> int:
+        """Requests predicted to miss an SLO if `option` is taken: this one (its TTFT; its TPOT in
+        the decode node's batch grown by one) and the streams on the decode node that met the TPOT
+        SLO before and would not after (a bigger batch, plus the stall spread over their tokens)."""
+        if not self.slos:
+            return 0
+        d, costs = option.decoder, self.costs
+        ttft_slo, tpot_slo = self.slos.get("ttft_ms", float("inf")) / 1e3, self.slos.get("tpot_ms", float("inf")) / 1e3
+        streams = d.active_requests
+        after = costs.step_s(streams + 1, d.active_tokens + view.tokens + output_tokens)
+        misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo)
+        if streams and costs.step_s(streams, d.active_tokens) <= tpot_slo < after + option.stall_s / streams / output_tokens:
+            misses += streams
+        return misses
+
+    def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node],
+              output_tokens: int = 128) -> Placement:
+        """The rule's choice over healthy nodes; NoHealthyNode if no node can decode.
+        `output_tokens`: what the request asks for (the SLO-aware cost rule spreads stalls over it)."""
         prefillers = [p for p in prefillers if p.healthy]
         decoders = [d for d in decoders if d.healthy]
         if not decoders:
@@ -132,7 +153,8 @@ class Placer:
         view = PromptView(token_ids, self.costs, self.index, self.transport)
         if self.rule == "cost":
             return min(self.options(view, prefillers, decoders),
-                       key=lambda o: (o.score(self.stall_weight), o.decoder.active_requests))
+                       key=lambda o: (self.misses(o, view, output_tokens), o.score(self.stall_weight),
+                                      o.decoder.active_requests))
         if self.rule in ("round_robin", "least_loaded"):
             d = self._by_policy(decoders, "decode", view)
             if d.role == "decode" and prefillers:

@@ -24,6 +24,8 @@ from pdserve.proxy.placement import Placer
 from pdserve.proxy.prompts import PromptTokens
 from pdserve.proxy.timing import RequestTiming
 
+DEFAULT_OUTPUT_TOKENS = 128  # what a request that names no max_tokens is expected to produce
+
 
 class AutoFlow(Flow):
     name = "auto"
@@ -37,16 +39,18 @@ class AutoFlow(Flow):
         if self.index is None:
             raise ValueError("auto mode needs the nodes' prefix caches (a PrefixIndex)")
         self.placer = Placer(CostModel.load(self.config.profile), self.index, self.config.placement,
-                             self.config.stall_weight, self.config.remote_prefill_threshold)
+                             self.config.stall_weight, self.config.remote_prefill_threshold, slos=self.config.slos)
         self.prompts = PromptTokens(self.config.model_dir)
 
     async def serve(self, req: ClientRequest) -> Response:
         start = time.perf_counter()
         token_ids = self.prompts.of(req.parsed)
+        asked = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
+        output_tokens = asked if isinstance(asked, int) and asked > 0 else DEFAULT_OUTPUT_TOKENS
         failed: set[str] = set()
         while True:
             placement = self.placer.place(token_ids, [p for p in self.members.prefillers if p.url not in failed],
-                                          [d for d in self.members.decoders if d.url not in failed])
+                                          [d for d in self.members.decoders if d.url not in failed], output_tokens)
             timing = req.timing
             if timing.placement is None:  # the first choice is what placing cost
                 timing.placement_s = time.perf_counter() - start
