@@ -38,6 +38,7 @@ class RequestResult:
     start: float = 0.0  # seconds since the run began
     stages_ms: dict[str, float] = field(default_factory=dict)  # pdserve's x-pdserve-*-ms headers, if any
     placement: str = ""  # pdserve's auto mode: where the prompt was prefilled (x-pdserve-placement)
+    text: str = ""  # the answer (multiturn puts it into the conversation's next prompt)
 
     @property
     def tpot_ms(self) -> float:
@@ -76,22 +77,21 @@ def mixed_dataset(n: int, seed: int, long_fraction: float = 0.1, short: tuple[in
 
 def multiturn_dataset(n: int, seed: int, turns: int = 4, system_len: int = 512, user_len: int = 64,
                       answer_len: int = 64, think_s: float = 1.0) -> list[BenchRequest]:
-    """`n` seeded conversations of `turns` turns, all opening with one shared system prompt. Turn k
-    sends the history: system prompt, then each earlier user turn and a seeded answer of
-    `answer_len` tokens (the same tokens every run, not the server's answer), then the new user
-    turn; it asks for `answer_len` tokens. A user thinks for an exponential time of mean `think_s`
-    between an answer and the next turn. Listed conversation by conversation, turns in order."""
+    """`n` seeded conversations of `turns` turns, all opening with one shared system prompt. Each
+    request holds what its turn adds: the system prompt and first user turn, then `user_len` new
+    user tokens a turn; the sender puts the history before it (every earlier turn and the server's
+    own answer to it, serving.run_benchmark), as a chat client does. Each turn asks for
+    `answer_len` tokens; a user thinks for an exponential time of mean `think_s` between an answer
+    and the next turn. Listed conversation by conversation, turns in order."""
     rng = random.Random(seed)
     system = random_prompts(1, system_len, seed * 7 + 1)[0] if system_len else []
     out = []
     for c in range(n):
-        history = list(system)
         for k in range(turns):
-            user, answer = random_prompts(2, user_len, seed * 100_003 + c * 1_009 + k)
-            history += user
-            out.append(BenchRequest(list(history), len(history), answer_len, conversation=c,
+            user = random_prompts(1, user_len, seed * 100_003 + c * 1_009 + k)[0]
+            prompt = (system + user) if k == 0 else user
+            out.append(BenchRequest(prompt, len(prompt), answer_len, conversation=c,
                                     think_s=rng.expovariate(1 / think_s) if think_s > 0 and k else 0.0))
-            history += answer[:answer_len]
     return out
 
 
@@ -219,7 +219,7 @@ def requests_from_args(args) -> list[BenchRequest]:
         raise ValueError("--num-prompts must be >= 1")
     tokenizer = None
     chat = getattr(args, "endpoint", "completions") == "chat"  # only `pdserve bench` has an endpoint
-    if args.dataset not in ("random", "mixed", "multiturn") or chat:
+    if args.dataset not in ("random", "mixed") or chat:  # multiturn: the answers go into the history as tokens
         from pdserve.models.locate import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
 

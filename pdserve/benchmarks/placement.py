@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import run_benchmark
+from pdserve.benchmarks.serving import answer_tokenizer, run_benchmark
 from pdserve.benchmarks.study import rate_workload, study_slos
 from pdserve.config import EngineConfig
 from pdserve.plan.profile import ProfilePoints, run_profile
@@ -62,8 +63,11 @@ def multiturn_workload(index: int, rate: float, seconds_per_rate: float, min_con
 
 def run_setup(key: str, profile: str, dtype: str, slos: dict, args) -> dict:
     label, up_args = SETUPS[key]
-    extra = ["--profile", profile] if "auto" in up_args else []
+    extra = []
+    if "auto" in up_args:  # the cost rule keeps requests within the study's SLOs first
+        extra = ["--profile", profile, "--slo", f"ttft:{slos['ttft_ms']:.0f}", f"tpot:{slos['tpot_ms']:.1f}"]
     points: dict[str, list[dict]] = {"mixed": [], "multiturn": []}
+    answer_ids = answer_tokenizer(None)  # multiturn puts each answer into the next turn's prompt
     with ProcessGroup(stop_grace_s=30) as group:
         up = group.start(up_child((*up_args, *extra, "--dtype", dtype)))
         group.wait_ready([up], 300)
@@ -77,7 +81,8 @@ def run_setup(key: str, profile: str, dtype: str, slos: dict, args) -> dict:
                     requests = multiturn_workload(i, rate, args.seconds_per_rate, args.min_conversations)
                 print(f"[{key}] {label}: {dataset}, {len(requests)} requests at {rate} /s", flush=True)
                 results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0,
-                                                              None, seed=i, show_progress=False))
+                                                              None, seed=i, show_progress=False,
+                                                              answer_ids=answer_ids))
                 summary = summarize(results, duration, slos)
                 summary["request_rate"] = rate
                 placements = [r.stages_ms.get("placement") for r in results if "placement" in r.stages_ms]
@@ -152,7 +157,8 @@ def markdown(res: dict, args) -> str:
         f"Command: `python -m pdserve.benchmarks.placement --mixed-rates {' '.join(f'{r:g}' for r in args.mixed_rates)} "
         f"--multiturn-rates {' '.join(f'{r:g}' for r in args.multiturn_rates)} --seconds-per-rate "
         f"{args.seconds_per_rate:g}` ({res['date']}, {res['dtype']}, this 2-core machine, one core per node; "
-        f"profile: {res['profile']}). SLOs as in the study: TTFT {slos['ttft_ms']:.0f} ms, TPOT {slos['tpot_ms']:.1f} ms.",
+        f"profile: {res['profile']}). SLOs as in the study: TTFT {slos['ttft_ms']:.0f} ms, TPOT {slos['tpot_ms']:.1f} ms"
+        + (f"; run again later with `--merge`: {', '.join(res['run_again'])}." if res.get("run_again") else "."),
         "",
         "| setup | workload | rate (/s) | done | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | attainment | "
         "goodput (req/s) | remote prefills | placement p99 (ms) |",
@@ -196,18 +202,25 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="price placements with this profile (default: measure one)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="docs/results/placement.json")
+    parser.add_argument("--merge", default=None, metavar="JSON",
+                        help="run only --setups again, keeping the other setups, SLOs and profile of this earlier run")
     args = parser.parse_args()
     args.dtype = plan_kernels(args.dtype).dtype
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    profile = args.profile
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
+    profile = args.profile or (earlier["profile"] if earlier else None)
     if profile is None:  # measured alone on the machine, before any node starts
         profile = str(out.with_name("placement_profile.json"))
         run_profile(EngineConfig(dtype=args.dtype, threads=1), ProfilePoints.quick()).save(Path(profile))
-    idle, slos = study_slos(args.dtype, 2.0, 1.5)
+    if earlier:
+        idle, slos = earlier["idle"], earlier["slos_ms"]
+    else:
+        idle, slos = study_slos(args.dtype, 2.0, 1.5)
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "profile": profile, "idle": idle,
-                 "slos_ms": slos, "setups": {}}
+                 "slos_ms": slos, "setups": dict(earlier["setups"]) if earlier else {},
+                 "run_again": (earlier.get("run_again", []) if earlier else []) + (args.setups if earlier else [])}
     for key in args.setups:
         res["setups"][key] = run_setup(key, profile, args.dtype, slos, args)
     res["targets"] = targets(res)

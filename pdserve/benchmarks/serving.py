@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -61,6 +63,7 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
                     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                     if not text:
                         continue
+                    result.text += text
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft_ms = (now - start) * 1e3
@@ -95,10 +98,12 @@ def stage_headers(headers: httpx.Headers) -> dict[str, float]:
 
 
 async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, model: str | None, rate: float,
-                        burstiness: float, max_concurrency: int | None, seed: int,
-                        show_progress: bool = True) -> tuple[list[RequestResult], float]:
+                        burstiness: float, max_concurrency: int | None, seed: int, show_progress: bool = True,
+                        answer_ids: Callable[[str], list[int]] | None = None) -> tuple[list[RequestResult], float]:
     """Send the requests at the rate; a conversation's turns (multiturn) go one after another, each
-    after the previous answer and its think time, and the conversations arrive at the rate."""
+    after the previous answer and its think time, and the conversations arrive at the rate. A turn's
+    prompt is the conversation so far (earlier turns and the answers, as `answer_ids` tokenizes
+    them) followed by what the turn adds."""
     sessions = conversations(requests)
     gaps = arrival_gaps(len(sessions), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -116,11 +121,17 @@ async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, m
             return res
 
         async def session(turns: list[BenchRequest]) -> list[RequestResult]:
-            results = []
+            results: list[RequestResult] = []
+            history: list[int] = []
             for req in turns:
                 if results:
                     await asyncio.sleep(req.think_s)
+                if req.conversation is not None:
+                    prompt = history + list(req.prompt)
+                    req = replace(req, prompt=prompt, input_len=len(prompt))
                 results.append(await one(req))
+                if req.conversation is not None:
+                    history = prompt + (answer_ids(results[-1].text) if answer_ids and results[-1].text else [])
             return results
 
         t0 = time.perf_counter()
@@ -204,6 +215,16 @@ def plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def answer_tokenizer(model: str | None) -> Callable[[str], list[int]]:
+    """Multiturn: how an answer's text becomes tokens of the next prompt (`model`'s tokenizer;
+    None: the embedded model's, which pdserve's nodes serve)."""
+    from pdserve.models.locate import resolve_model_dir
+    from pdserve.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model_dir(model))
+    return lambda text: tokenizer.encode(text, add_bos=False)
+
+
 def server_engines(url: str) -> list[dict]:
     """What the measured server runs on (device, ISA, dtype, kernels per node): a pdserve proxy's
     /v1/nodes, or a pdserve node's /metrics; [] for other servers."""
@@ -223,7 +244,9 @@ def main(args) -> int:
     """Entry point of `pdserve bench` (arguments parsed by pdserve.cli)."""
     slos, rate, requests = workload_from_args(args)
     results, duration = asyncio.run(run_benchmark(args.base_url.rstrip("/"), requests, args.endpoint, args.model,
-                                                  rate, args.burstiness, args.max_concurrency, args.seed))
+                                                  rate, args.burstiness, args.max_concurrency, args.seed,
+                                                  answer_ids=answer_tokenizer(args.tokenizer) if args.dataset == "multiturn"
+                                                  else None))
     summary = summarize(results, duration, slos)
     summary["engines"] = server_engines(args.base_url.rstrip("/"))
     summary.update({"base_url": args.base_url, "endpoint": args.endpoint, "max_concurrency": args.max_concurrency})

@@ -36,9 +36,10 @@ class Tokenizer:
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self._template = env.from_string(self.chat_template) if self.chat_template else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of text; add_bos=False for text that continues a sequence (an answer in a history)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+        if add_bos and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
 
