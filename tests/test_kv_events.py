@@ -43,6 +43,10 @@ def test_the_log_numbers_batches_keeps_the_latest_and_shows_gaps():
     assert log.page(3).batches == page.batches[1:] and log.page(4).batches == []
     snapshot = log.snapshot()
     assert (snapshot.seq, snapshot.hashes, snapshot.block_size) == (4, [12, 13], 16)
+    log.removed(12)  # evicted while a step scheduled, filed again once computed: still held
+    log.stored(12)
+    log.close_batch()
+    assert log.snapshot().hashes == [12, 13]
     assert KVEventLog(16).epoch != log.epoch  # a restarted node is another epoch
 
 

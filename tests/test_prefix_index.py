@@ -23,8 +23,9 @@ def test_a_copy_follows_batches_in_order_and_goes_stale_on_a_gap_or_a_restart():
     assert cache.apply(page("e1", 4, (3, [3, 4], []), (4, [], [1])))
     assert cache.hashes == {2, 3, 4} and cache.seq == 4 and cache.synced
     assert cache.apply(page("e1", 4))  # nothing new
+    assert cache.apply(page("e1", 5, (5, [4], [4]))) and 4 in cache.hashes  # evicted and filed again in one step
     assert cache.cached_blocks([2, 3, 9, 4]) == 2  # a prefix hit stops at the first miss
-    assert not cache.apply(page("e1", 7, (6, [5], [])))  # batch 5 was dropped by the node: a gap
+    assert not cache.apply(page("e1", 7, (7, [5], [])))  # batch 6 was dropped by the node: a gap
     assert not cache.synced and cache.resyncs == 1
     cache.load(KVSnapshot("e1", 7, 16, [2, 5]))
     assert cache.apply(page("e1", 7)) and cache.synced  # caught up: nothing new, still good

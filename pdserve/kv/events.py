@@ -3,10 +3,10 @@
 The block manager reports each block it files under a hash (stored) and each cached block it
 hands out again (removed); the engine closes a batch of them after every step. A node serves the
 batches to a subscriber that long-polls for the ones after the last it has (`GET
-/kv/events?after=SEQ`), and what it holds now as a snapshot (`GET /kv/snapshot`). Batches are numbered within an epoch, a fresh one each time a node starts,
-so a subscriber that sees a gap in the numbers or another epoch knows its copy is stale and loads
-the snapshot again (resync). The log keeps the latest batches only; a subscriber too far behind
-gets a gap, not an error.
+/kv/events?after=SEQ`), and what it holds now as a snapshot (`GET /kv/snapshot`). Batches are
+numbered within an epoch, a fresh one each time a node starts, so a subscriber that sees a gap in
+the numbers or another epoch knows its copy is stale and loads the snapshot again (resync). The
+log keeps the latest batches only; a subscriber too far behind gets a gap, not an error.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ MAX_BATCHES = 4096  # batches kept for subscribers that fall behind
 
 
 class KVEventBatch(msgspec.Struct, frozen=True):
-    """One engine step's changes to the prefix cache (a line of the event stream, JSON)."""
+    """One engine step's changes to the prefix cache. Apply `removed` before `stored`: a step
+    evicts while it schedules and files blocks once computed, so a hash evicted and filed again
+    in one step is held at its end."""
 
     epoch: str
     seq: int
@@ -75,8 +77,8 @@ class KVEventLog:
                 return
             self._seq += 1
             batch = KVEventBatch(epoch=self.epoch, seq=self._seq, stored=self._stored, removed=self._removed)
-            self._held.update(batch.stored)
             self._held.difference_update(batch.removed)
+            self._held.update(batch.stored)
             self._batches.append(batch)
             self._stored, self._removed = [], []
 

@@ -50,8 +50,8 @@ class NodeCache:
             self.stale()
             return False
         for batch in page.batches:
+            self.hashes.difference_update(batch.removed)  # KVEventBatch's order
             self.hashes.update(batch.stored)
-            self.hashes.difference_update(batch.removed)
             self.seq = batch.seq
         return True
 
