@@ -33,18 +33,20 @@ def test_a_copy_follows_batches_in_order_and_goes_stale_on_a_gap_or_a_restart():
     assert cache.resyncs == 2 and not cache.synced
 
 
-def proxy_cache(proxy_url: str, node_url: str) -> dict:
+def proxy_view(proxy_url: str, node_url: str) -> dict:
     nodes = httpx.get(proxy_url + "/v1/nodes", timeout=5).json()["nodes"]
-    return next(n["prefix_cache"] for n in nodes if n["url"] == node_url)
+    return next(n for n in nodes if n["url"] == node_url)
 
 
 def wait_for_copy(proxy_url: str, node_url: str, timeout: float = 20.0) -> tuple[dict, KVSnapshot]:
-    """Until the proxy's copy is synced at the node's latest batch; both, as the proxy and node see them."""
+    """Until the proxy's copy is synced at the node's latest batch and the node is back in rotation
+    (a restart costs it its health checks); the copy and the node's snapshot."""
     deadline = time.monotonic() + timeout
     while True:
         snapshot = KVSnapshot(**httpx.get(node_url + "/kv/snapshot", timeout=5).json())
-        copy = proxy_cache(proxy_url, node_url)
-        if copy["synced"] and (copy["epoch"], copy["batch"]) == (snapshot.epoch, snapshot.seq):
+        view = proxy_view(proxy_url, node_url)
+        copy = view["prefix_cache"]
+        if copy["synced"] and (copy["epoch"], copy["batch"]) == (snapshot.epoch, snapshot.seq) and view["healthy"]:
             return copy, snapshot
         assert time.monotonic() < deadline, f"proxy's copy {copy} never caught up with {snapshot.epoch} {snapshot.seq}"
         time.sleep(0.1)
