@@ -103,18 +103,19 @@ def remote_share(results) -> float | None:
 
 def targets(res: dict) -> dict:
     setups, out = res["setups"], {}
-    if "auto" in setups and all(k in setups for k in STATIC):
+
+    def over_best_static(key: str) -> list[float | None]:
+        """`key`'s mixed goodput per rate over the better of the static setups at that rate."""
         ratios = []
-        for i, point in enumerate(setups["auto"]["points"]["mixed"]):
+        for i, point in enumerate(setups[key]["points"]["mixed"]):
             best = max(setups[k]["points"]["mixed"][i]["request_goodput"] for k in STATIC)
             ratios.append(point["request_goodput"] / best if best else None)
-        out["mixed_auto_over_best_static"] = ratios
-        for k in ("auto2",):
-            if k in setups:
-                out[f"mixed_{k}_over_best_static"] = [
-                    p["request_goodput"] / max(setups[s]["points"]["mixed"][i]["request_goodput"] for s in STATIC)
-                    if max(setups[s]["points"]["mixed"][i]["request_goodput"] for s in STATIC) else None
-                    for i, p in enumerate(setups[k]["points"]["mixed"])]
+        return ratios
+
+    if all(k in setups for k in STATIC):
+        for key in ("auto", "auto2"):
+            if key in setups:
+                out[f"mixed_{key}_over_best_static"] = over_best_static(key)
     if "colo" in setups:
         base = [p["median_ttft_ms"] for p in setups["colo"]["points"]["multiturn"]]
         for k in ("auto", "auto2", "threshold", "scorers"):

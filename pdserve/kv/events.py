@@ -50,7 +50,9 @@ class KVSnapshot(msgspec.Struct, frozen=True):
 
 
 class KVEventLog:
-    """Written by the engine's thread, read by the server's: every method takes the lock."""
+    """Written by the engine's thread (stored, removed, close_batch), read by the server's (page,
+    snapshot): what both touch (the batches, the held set, the number) is behind the lock; the
+    step's pending lists are the engine thread's alone."""
 
     def __init__(self, block_size: int, max_batches: int = MAX_BATCHES) -> None:
         self.block_size = block_size
@@ -63,18 +65,16 @@ class KVEventLog:
         self._removed: list[int] = []
 
     def stored(self, block_hash: int) -> None:
-        with self._lock:
-            self._stored.append(block_hash)
+        self._stored.append(block_hash)
 
     def removed(self, block_hash: int) -> None:
-        with self._lock:
-            self._removed.append(block_hash)
+        self._removed.append(block_hash)
 
     def close_batch(self) -> None:
         """End of an engine step: what it stored and removed becomes the next numbered batch."""
+        if not (self._stored or self._removed):
+            return
         with self._lock:
-            if not (self._stored or self._removed):
-                return
             self._seq += 1
             batch = KVEventBatch(epoch=self.epoch, seq=self._seq, stored=self._stored, removed=self._removed)
             self._held.difference_update(batch.removed)

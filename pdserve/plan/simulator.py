@@ -84,11 +84,6 @@ class Job:
     def num_tokens(self) -> int:
         return self.prompt_tokens + self.generated
 
-    @property
-    def is_decode(self) -> bool:
-        """One new token after an output token (model_runner.is_decode)."""
-        return self.generated > 0 and self.computed == self.prompt_tokens + self.generated - 1
-
 
 @dataclass(frozen=True)
 class Costs:
@@ -211,12 +206,11 @@ class SimNode:
     outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
-    free_blocks: int = -1
+    free_blocks: int = field(init=False)
     preemptions: int = 0
 
     def __post_init__(self) -> None:
-        if self.free_blocks < 0:
-            self.free_blocks = self.batching.num_blocks
+        self.free_blocks = self.batching.num_blocks
 
     def submit(self, job: Job) -> None:
         if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
@@ -285,7 +279,7 @@ class SimNode:
                 if victim is job:
                     break
             else:
-                if remaining == 1 and job.generated:  # Job.is_decode
+                if remaining == 1 and job.generated:  # one token after an output token: model_runner.is_decode
                     decodes.append(job)
                 else:
                     chunks.append((job, n))

@@ -67,8 +67,7 @@ class AutoFlow(Flow):
                 node = next((n for n in (decoder, prefiller) if n is not None and n.url == exc.node), None)
                 if node is None or not exc.retryable:
                     raise
-                failed.add(node.url)
-                self._retry_elsewhere(exc, node, failed, self.members.nodes())
+                self._retry_elsewhere(exc, node, failed, self.members.nodes())  # out of rotation, into `failed`
 
     def split_stages(self, response: httpx.Response, timing: RequestTiming) -> None:
         if timing.placement == "local":
