@@ -9,6 +9,7 @@ import time
 
 from pdserve.kv.transport import AUTO, TRANSPORTS
 from pdserve.proxy.flows import FLOWS
+from pdserve.proxy.placement import Placer
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
@@ -199,7 +200,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     slos, rate, requests = workload_from_args(args)
     summary = simulate(profile, setup, requests, rate, args.burstiness, args.seed, slos,
-                       args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill)
+                       args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill,
+                       prefix_caching=False if args.no_prefix_caching else None, placement=args.placement)
     summary["profile"] = args.profile
     publish_run(summary, args)
     return 0
@@ -244,7 +246,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) ->
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--placement", default="cost", choices=["cost", "round_robin", "least_loaded", "threshold", "scorers"],
+    parser.add_argument("--placement", default="cost", choices=Placer.RULES,
                         help="auto: pdserve's cost-based choice, or a baseline rule: round_robin / least_loaded "
                              "(always P when the decode node is a D), threshold (Dynamo's), scorers (llm-d's)")
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
@@ -362,12 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = sub.add_parser("simulate", help="predict a bench run on a setup from a profile (no model runs)")
     simulate.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
-    simulate.add_argument("--setup", required=True, help="colocated:N | pull:xPyD | push:xPyD")
+    simulate.add_argument("--setup", required=True,
+                          help="colocated:N | pull:xPyD | push:xPyD | auto:N | auto:xPyD (auto: per-request placement)")
     simulate.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
     simulate.add_argument("--kv-transport", default="shm", choices=list(TRANSPORTS))
     simulate.add_argument("--max-num-batched-tokens", type=int, default=None,
                           help="every node's token budget per step (default: the profiled node's)")
     simulate.add_argument("--no-chunked-prefill", action="store_true", help="a prompt is prefilled in one step")
+    simulate.add_argument("--no-prefix-caching", action="store_true",
+                          help="every prompt computed in full (default: cached prefixes reused when the workload "
+                               "has conversations or the setup is auto)")
+    simulate.add_argument("--placement", default="cost", choices=Placer.RULES,
+                          help="auto setups: how each request is placed (as `pdserve proxy --placement`); "
+                               "the cost rule counts SLO misses first when --goodput names SLOs")
     add_workload_args(simulate)
     simulate.add_argument("--out", default=None, help="write the results as JSON here (pdserve bench's fields)")
     simulate.set_defaults(func=cmd_simulate)

@@ -95,6 +95,22 @@ def multiturn_dataset(n: int, seed: int, turns: int = 4, system_len: int = 512, 
     return out
 
 
+def conversations(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+    """Requests grouped into the sequences that must go in order: one per conversation, in the order
+    conversations first appear; a request of no conversation is a sequence of its own."""
+    sessions: list[list[BenchRequest]] = []
+    by_id: dict[int, list[BenchRequest]] = {}
+    for req in requests:
+        if req.conversation is None:
+            sessions.append([req])
+        elif req.conversation in by_id:
+            by_id[req.conversation].append(req)
+        else:
+            by_id[req.conversation] = [req]
+            sessions.append(by_id[req.conversation])
+    return sessions
+
+
 def sharegpt_dataset(path: str, n: int, seed: int, tokenizer) -> list[BenchRequest]:
     """First human turn as the prompt, the first reply's length as the output length."""
     data = json.loads(Path(path).read_text())

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from servers import metric, start_pdserve
 
-from pdserve.benchmarks.serving import conversations
 from pdserve.platform import plan_kernels
 from pdserve.workload import (
     BenchRequest,
     RequestResult,
     arrival_gaps,
+    conversations,
     mixed_dataset,
     multiturn_dataset,
     parse_goodput,

@@ -13,6 +13,7 @@ from helpers import make_request
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
 from pdserve.plan.simulator import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
@@ -41,8 +42,9 @@ def run(setup: str, requests, rate=float("inf"), profile=None, **kwargs) -> dict
 def test_setups_parse_and_bad_ones_are_named():
     assert Setup.parse("colocated:2") == Setup("colocated", 0, 2)
     assert Setup.parse("pull:1P3D") == Setup("pull", 1, 3)
-    for bad in ("colocated:0", "pull:1P", "push:0P1D", "mixed:1P1D", "pull"):
-        with pytest.raises(ValueError, match="expected colocated:N, pull:xPyD or push:xPyD"):
+    assert Setup.parse("auto:8") == Setup("auto", 0, 8) and Setup.parse("auto:2P6D") == Setup("auto", 2, 6)
+    for bad in ("colocated:0", "pull:1P", "push:0P1D", "mixed:1P1D", "pull", "auto:0", "colocated:1P1D"):
+        with pytest.raises(ValueError, match="expected colocated:N, pull:xPyD, push:xPyD, auto:N or auto:xPyD"):
             Setup.parse(bad)
 
 
@@ -120,10 +122,11 @@ def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():
 
 
 def engine_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int, chunked: bool,
-                       max_seqs: int) -> tuple[list[list[int]], int]:
+                       max_seqs: int, prefix_caching: bool = False) -> tuple[list[list[int]], int]:
     """The engine's Scheduler on (prompt, output) requests, all waiting at step 1: the step each
-    token is sampled at, per request, and the preemptions."""
-    scheduler = Scheduler(BlockManager(blocks, 4, enable_prefix_caching=False), max_seqs, budget, chunked)
+    token is sampled at, per request, and the preemptions. Prompts are 0, 1, 2, ...: with prefix
+    caching a request finds the blocks of every shorter prompt computed before it."""
+    scheduler = Scheduler(BlockManager(blocks, 4, enable_prefix_caching=prefix_caching), max_seqs, budget, chunked)
     reqs = [make_request(list(range(prompt)), str(i), output) for i, (prompt, output) in enumerate(requests)]
     for req in reqs:
         scheduler.add(req)
@@ -141,18 +144,19 @@ def engine_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int
 
 
 def simulated_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int, chunked: bool,
-                          max_seqs: int) -> tuple[list[list[int]], int]:
+                          max_seqs: int, prefix_caching: bool = False) -> tuple[list[list[int]], int]:
     """The same on a SimNode whose every step costs 1 s, so a token's time is its step."""
     profile = known_profile()
     profile.prefill_chunk = replace(profile.prefill_chunk, coefficients=[0.0, 0.0, 0.0])
     profile.decode_step = replace(profile.decode_step, coefficients=[0.0, 0.0, 0.0])
     profile.serving = {"request_s": 0.0, "stream_s": 0.0, "step_s": 1.0}
     sim = Simulation(profile)
-    node = SimNode(sim, "N", Batching(budget, chunked, max_seqs, blocks * 4, block_size=4))
+    node = SimNode(sim, "N", Batching(budget, chunked, max_seqs, blocks * 4, block_size=4), prefix_caching=prefix_caching)
     trackers = [Tracker(BenchRequest([0], prompt, output), 0.0) for prompt, output in requests]
     node.busy = True  # all of them arrive before the first step, as in engine_token_steps
     for i, ((prompt, output), tracker) in enumerate(zip(requests, trackers)):
-        node.submit(Job(i, prompt, 0, output, tracker, lambda t: None))
+        hashes = block_hashes(list(range(prompt)) + [1] * output, 4)  # engine_token_steps samples token 1
+        node.submit(Job(i, prompt, 0, output, tracker, lambda t: None, hashes=hashes))
     node.busy = False
     node._maybe_step()
     sim.run()
@@ -164,16 +168,19 @@ def simulated_token_steps(requests: list[tuple[int, int]], blocks: int, budget: 
     return steps, node.preemptions
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("blocks,budget,chunked,max_seqs", [(64, 32, True, 8), (20, 16, True, 8), (12, 64, False, 4),
                                                            (30, 8, True, 3)])
-def test_a_simulated_node_schedules_step_for_step_as_the_engines_scheduler(blocks, budget, chunked, max_seqs):
+def test_a_simulated_node_schedules_step_for_step_as_the_engines_scheduler(blocks, budget, chunked, max_seqs,
+                                                                          prefix_caching):
     """Same requests, same settings: every token in the same step, the same preemptions; pools
-    small enough to preempt, budgets small enough to chunk."""
+    small enough to preempt, budgets small enough to chunk; with prefix caching, prompts that
+    share their leading blocks (and preempted requests find their own again)."""
     rng = random.Random(blocks * budget)
     requests = [(rng.randint(3, 30), rng.randint(1, 20)) for _ in range(12)]
     requests = [(p, min(o, blocks * 4 - p)) for p, o in requests]
-    engine, engine_preempted = engine_token_steps(requests, blocks, budget, chunked, max_seqs)
-    simulated, simulated_preempted = simulated_token_steps(requests, blocks, budget, chunked, max_seqs)
+    engine, engine_preempted = engine_token_steps(requests, blocks, budget, chunked, max_seqs, prefix_caching)
+    simulated, simulated_preempted = simulated_token_steps(requests, blocks, budget, chunked, max_seqs, prefix_caching)
     assert simulated == engine
     assert simulated_preempted == engine_preempted
 
@@ -246,8 +253,40 @@ def test_simulate_cli_writes_benchs_fields(tmp_path):
     assert bad.returncode == 2 and "--setup 'pull:3'" in bad.stderr
 
 
-def test_conversations_are_refused_until_the_simulator_models_them():
+def conversation(turns: int, system_len: int = 32, user_len: int = 8, answer_len: int = 4, n: int = 1):
     from pdserve.workload import multiturn_dataset
 
-    with pytest.raises(ValueError, match="does not model conversations yet"):
-        run("colocated:1", multiturn_dataset(2, seed=0, turns=2, system_len=16, user_len=8, answer_len=4))
+    return multiturn_dataset(n, seed=0, turns=turns, system_len=system_len, user_len=user_len,
+                             answer_len=answer_len, think_s=0.0)
+
+
+def test_a_turn_prefills_only_what_its_nodes_cache_lacks():
+    """Turn 1: 32 system + 8 user tokens, all computed (10 ms + 40 ms). Turn 2 (52 tokens: turn 1,
+    its 4-token answer, 8 new) comes right after the answer; the node holds turn 1's first two
+    16-token blocks (its 43 computed tokens), so it computes 20 tokens (10 ms + 20 ms). Without
+    prefix caching it computes all 52."""
+    cached = run("colocated:1", conversation(2), prefix_caching=True)
+    uncached = run("colocated:1", conversation(2), prefix_caching=False)
+    assert cached["prefix_caching"] and not uncached["prefix_caching"]
+    assert cached["ttfts"] == pytest.approx([0.050, 0.030]) and uncached["ttfts"] == pytest.approx([0.050, 0.062])
+    assert cached["completed"] == 2 and cached["total_input_tokens"] == 40 + 52
+
+
+def test_auto_sends_each_turn_where_its_history_is_cached():
+    """One conversation of 4 turns on two nodes: round robin alternates, so turns 2-4 find at most
+    the turn before last; auto (the proxy's own Placer) keeps the conversation on one node."""
+    rr = run("colocated:2", conversation(4))
+    auto = run("auto:2", conversation(4))
+    assert auto["placements"] == {"local": 4, "remote": 0}
+    # turn k+1 computes the new 8 tokens plus the answer's tail past the last full block
+    new = [40, 52 - 32, 64 - 48, 76 - 64]
+    assert auto["ttfts"] == pytest.approx([(10 + n) / 1e3 for n in new])
+    assert all(r > a for r, a in zip(rr["ttfts"][1:], auto["ttfts"][1:]))
+
+
+def test_auto_prefills_a_long_prompt_on_p_when_d_is_decoding():
+    """auto:1P1D: D is decoding a long answer when a 2000-token prompt comes; prefilling it on D
+    would stall that stream for two seconds, so the Placer sends it to P and D pulls the KV."""
+    requests = [BenchRequest(list(range(1000, 1100)), 100, 400), BenchRequest(list(range(2000, 4000)), 2000, 4)]
+    summary = run("auto:1P1D", requests, rate=2.0)
+    assert summary["placements"] == {"local": 1, "remote": 1} and summary["completed"] == 2

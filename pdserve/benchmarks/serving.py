@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.workload import BenchRequest, RequestResult, arrival_gaps, summarize, workload_from_args
+from pdserve.workload import BenchRequest, RequestResult, arrival_gaps, conversations, summarize, workload_from_args
 
 # -- sending ------------------------------------------------------------------------------------
 
@@ -143,22 +143,6 @@ async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, m
         duration = time.perf_counter() - t0
         bar.close()
     return results, duration
-
-
-def conversations(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
-    """Requests grouped into the sequences that must go in order: one per conversation, in the order
-    conversations first appear; a request of no conversation is a sequence of its own."""
-    sessions: list[list[BenchRequest]] = []
-    by_id: dict[int, list[BenchRequest]] = {}
-    for req in requests:
-        if req.conversation is None:
-            sessions.append([req])
-        elif req.conversation in by_id:
-            by_id[req.conversation].append(req)
-        else:
-            by_id[req.conversation] = [req]
-            sessions.append(by_id[req.conversation])
-    return sessions
 
 
 # -- metrics ------------------------------------------------------------------------------------

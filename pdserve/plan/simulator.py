@@ -33,34 +33,42 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import re
-from collections import deque
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.profile import Profile
-from pdserve.workload import BenchRequest, RequestResult, arrival_gaps, summarize
+from pdserve.proxy.costs import CostModel
+from pdserve.proxy.placement import Placer
+from pdserve.proxy.policies import Node
+from pdserve.proxy.prefix_index import NodeCache
+from pdserve.workload import BenchRequest, RequestResult, arrival_gaps, conversations, summarize
 
-MODES = ("colocated", "pull", "push")
+MODES = ("colocated", "pull", "push", "auto")
 POLICIES = ("round_robin", "least_loaded")
 
 
 @dataclass(frozen=True)
 class Setup:
     mode: str
-    prefill: int  # P nodes (0 when colocated)
+    prefill: int  # P nodes (0 when colocated, or auto over colocated nodes)
     decode: int  # D nodes, or colocated nodes
 
     @classmethod
     def parse(cls, text: str) -> Setup:
-        """`colocated:N`, `pull:xPyD` or `push:xPyD`; ValueError names what is wrong."""
+        """`colocated:N`, `pull:xPyD`, `push:xPyD`, `auto:N` (N colocated nodes placed per request)
+        or `auto:xPyD` (per request: prefill on D, or on a P then pull); ValueError names what is wrong."""
         mode, _, shape = text.partition(":")
-        if mode == "colocated" and shape.isdigit() and int(shape) > 0:
+        if mode in ("colocated", "auto") and shape.isdigit() and int(shape) > 0:
             return cls(mode, 0, int(shape))
         match = re.fullmatch(r"(\d+)P(\d+)D", shape)
-        if mode in ("pull", "push") and match and int(match[1]) > 0 and int(match[2]) > 0:
+        if mode in ("pull", "push", "auto") and match and int(match[1]) > 0 and int(match[2]) > 0:
             return cls(mode, int(match[1]), int(match[2]))
-        raise ValueError(f"--setup {text!r}: expected colocated:N, pull:xPyD or push:xPyD (e.g. pull:1P3D)")
+        raise ValueError(f"--setup {text!r}: expected colocated:N, pull:xPyD, push:xPyD, auto:N or auto:xPyD "
+                         "(e.g. pull:1P3D)")
 
 
 @dataclass
@@ -79,6 +87,9 @@ class Job:
     computed: int = 0
     generated: int = 0
     blocks: int = 0
+    hashes: list[int] | None = None  # prefix caching: its full blocks' hashes (prompt, then output tokens)
+    keys: list[int] = field(default_factory=list)  # prefix caching: its blocks (PrefixCache's keys)
+    published: int = 0  # prefix caching: its leading blocks filed in the cache
 
     @property
     def num_tokens(self) -> int:
@@ -190,6 +201,76 @@ class Batching:
         return -(-tokens // self.block_size)
 
 
+class PrefixCache:
+    """BlockManager's prefix cache, block by block: a block is known by its hash once a job has
+    computed it full (and no other block holds that hash), by a negative id before. Free blocks are
+    handed out as the engine's free list hands them out: never-used ones first, then the least
+    recently freed (a job's tail first), which evicts the hash a freed block still held."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.untouched = num_blocks
+        self.freed: OrderedDict[int, None] = OrderedDict()
+        self.held: dict[int, int] = {}  # hash -> jobs holding its block
+        self.hashes: set[int] = set()  # every hash a block holds, in use or free (the proxy's index reads it)
+        self._ids = itertools.count(-1, -1)
+
+    def match(self, hashes: list[int], limit: int) -> list[int]:
+        """The leading hashes cached, at most `limit` (the engine always computes a prompt's last token)."""
+        hit = []
+        for h in hashes[:limit]:
+            if h not in self.hashes:
+                break
+            hit.append(h)
+        return hit
+
+    def reusable(self, prefix: list[int]) -> int:
+        """Blocks of `prefix` now free: taking them shrinks the free count."""
+        return sum(1 for h in prefix if h not in self.held)
+
+    def take(self, prefix: list[int]) -> None:
+        for h in prefix:
+            if h in self.held:
+                self.held[h] += 1
+            else:
+                del self.freed[h]
+                self.held[h] = 1
+
+    def hand_out(self, n: int) -> list[int]:
+        keys = []
+        for _ in range(n):
+            if self.untouched:
+                self.untouched -= 1
+            else:
+                key, _ = self.freed.popitem(last=False)
+                if key >= 0:  # a cached block handed out again: its prefix is gone
+                    self.hashes.discard(key)
+            keys.append(next(self._ids))
+        return keys
+
+    def publish(self, keys: list[int], hashes: list[int], start: int, end: int) -> None:
+        """File blocks start..end of a job (BlockManager.cache_full_blocks)."""
+        for i in range(start, end):
+            h = hashes[i]
+            if keys[i] < 0 and h not in self.hashes:
+                keys[i] = h
+                self.held[h] = 1
+                self.hashes.add(h)
+
+    def give_back(self, keys: list[int]) -> int:
+        """A job's blocks, tail first; returns how many became free (shared ones stay held)."""
+        freed = 0
+        for key in reversed(keys):
+            if key >= 0:
+                left = self.held[key] - 1
+                if left:
+                    self.held[key] = left
+                    continue
+                del self.held[key]
+            self.freed[key] = None
+            freed += 1
+        return freed
+
+
 @dataclass
 class SimNode:
     """One node's scheduler and clock: pdserve's Scheduler (running requests first, in the order
@@ -206,11 +287,20 @@ class SimNode:
     outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
+    prefix_caching: bool = False
     free_blocks: int = field(init=False)
+    cache: PrefixCache | None = field(init=False)
     preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.free_blocks = self.batching.num_blocks
+        self.cache = PrefixCache(self.batching.num_blocks) if self.prefix_caching else None
+
+    def cached_prefix(self, job: Job) -> list[int]:
+        """The hashes of job's leading blocks this node's cache holds now."""
+        if self.cache is None or not job.hashes:
+            return []
+        return self.cache.match(job.hashes, (job.num_tokens - 1) // self.batching.block_size)
 
     def submit(self, job: Job) -> None:
         if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
@@ -226,19 +316,39 @@ class SimNode:
         self._free(job)
         self._maybe_step()
 
-    def _allocate(self, job: Job, tokens: int) -> bool:
-        """Blocks for `tokens` computed tokens of job (BlockManager.allocate)."""
-        needed = self.batching.blocks_for(tokens) - job.blocks
-        if needed > self.free_blocks:
+    def _allocate(self, job: Job, tokens: int, prefix: list[int] = ()) -> bool:
+        """Blocks for `tokens` computed tokens of job, the cached `prefix` blocks first (BlockManager.allocate)."""
+        needed = self.batching.blocks_for(tokens) - job.blocks - len(prefix)
+        reusable = self.cache.reusable(prefix) if prefix else 0
+        if needed > self.free_blocks - reusable:
             return False
+        if prefix:
+            self.cache.take(prefix)
+            job.keys.extend(prefix)
+            job.blocks += len(prefix)
+            job.published = len(prefix)
+            self.free_blocks -= reusable
         if needed > 0:
             job.blocks += needed
             self.free_blocks -= needed
+            if self.cache is not None:
+                job.keys.extend(self.cache.hand_out(needed))
         return True
 
     def _free(self, job: Job) -> None:
-        self.free_blocks += job.blocks
+        if self.cache is not None:
+            self.free_blocks += self.cache.give_back(job.keys)
+            job.keys, job.published = [], 0
+        else:
+            self.free_blocks += job.blocks
         job.blocks = 0
+
+    def _publish(self, job: Job) -> None:
+        if self.cache is not None and job.hashes:
+            full = min(job.computed // self.batching.block_size, len(job.hashes))
+            if full > job.published:
+                self.cache.publish(job.keys, job.hashes, job.published, full)
+                job.published = full
 
     def _preempt(self, job: Job) -> None:
         """Scheduler._preempt: free its blocks; its prompt and output so far are prefilled again."""
@@ -289,14 +399,16 @@ class SimNode:
             return decodes, chunks, True
         while self.waiting and budget > 0 and len(self.running) < limits.max_seqs:
             job = self.waiting[0]
-            remaining = job.num_tokens - job.context
+            prefix = self.cached_prefix(job) if self.cache is not None else []
+            start = max(job.context, len(prefix) * size)  # tokens it has: sent by P, or cached here
+            remaining = job.num_tokens - start
             if not limits.chunked and remaining > budget:
                 break  # the whole prompt in one step, or wait for the next
             n = min(remaining, budget)
-            if not self._allocate(job, job.context + n):
+            if not self._allocate(job, start + n, prefix):
                 break  # the head of the queue waits for blocks
             self.waiting.popleft()
-            job.computed = job.context
+            job.computed = start
             self.running.append(job)
             chunks.append((job, n))
             budget -= n
@@ -354,8 +466,10 @@ class SimNode:
         for job in decodes:
             job.computed += 1
             job.generated += 1
+            self._publish(job)
         for job, n in chunks:
             job.computed += n
+            self._publish(job)
             if job.computed == job.prompt_tokens + job.generated:  # the prompt is done: its next token
                 job.generated += 1
                 emitting.append(job)
@@ -374,6 +488,7 @@ class SimNode:
             job.generated += run.steps
             if job.computed > job.blocks * size:  # the blocks its steps took, counted at the end
                 self._allocate(job, job.computed)
+            self._publish(job)
             if job.tokens is not None:
                 job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
         self._retire(run.jobs, self.sim.now)
@@ -426,8 +541,30 @@ class Tracker:
                              e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
 
 
+@dataclass
+class Prompt:
+    """A request as the simulated proxy sees it: its tokens (auto mode places by them) and, with
+    prefix caching, the hashes of its full blocks, prompt then answer (what a node's cache files)."""
+
+    token_ids: list[int] | None
+    hashes: list[int] | None
+
+
+class SimIndex:
+    """The proxy's PrefixIndex over simulated nodes: each copy is the node's own cache, always in
+    sync (a real proxy lags the nodes by the events of a step or two)."""
+
+    def __init__(self, nodes: dict[str, SimNode], block_size: int) -> None:
+        self.caches = {url: NodeCache(block_size=block_size, hashes=node.cache.hashes, synced=True)
+                       for url, node in nodes.items() if node.cache is not None}
+
+    def cache(self, node: Node) -> NodeCache | None:
+        return self.caches.get(node.url)
+
+
 class Proxy:
-    def __init__(self, sim: Simulation, setup: Setup, policy: str, transport: str, batching: Batching) -> None:
+    def __init__(self, sim: Simulation, setup: Setup, policy: str, transport: str, batching: Batching,
+                 prefix_caching: bool = False, placement: str = "cost", slos: dict[str, float] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
         node = sim.profile.meta["node"]
@@ -438,70 +575,172 @@ class Proxy:
         fit = dict(zip(sim.profile.transfer[transport].features, sim.profile.transfer[transport].coefficients))
         self._transfer_latency, self._transfer_per_byte = fit["one"], fit["bytes"]  # the hot path's copy of the fit
 
-        self.prefillers = [SimNode(sim, f"P{i}", batching) for i in range(setup.prefill)]
-        self.decoders = [SimNode(sim, f"D{i}" if setup.mode != "colocated" else f"N{i}", batching)
+        self.prefillers = [SimNode(sim, f"P{i}", batching, prefix_caching=prefix_caching)
+                           for i in range(setup.prefill)]
+        self.decoders = [SimNode(sim, f"D{i}" if setup.prefill else f"N{i}", batching, prefix_caching=prefix_caching)
                          for i in range(setup.decode)]
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        if setup.mode == "auto":  # the proxy's own Placer, on the simulation's clock and nodes
+            self.members = {n.name: n for n in self.prefillers + self.decoders}
+            self.p_nodes = [Node(n.name, "prefill") for n in self.prefillers]
+            self.d_nodes = [Node(n.name, "decode" if setup.prefill else "both") for n in self.decoders]
+            costs = replace(CostModel.of(asdict(sim.profile)), chunk_size=batching.budget)
+            self.placer = Placer(costs, SimIndex(self.members, batching.block_size), placement, transport=transport,
+                                 slos=slos, clock=lambda: sim.now)
+            self.placements = {"local": 0, "remote": 0}
 
     def _pick(self, nodes: list[SimNode], kind: str) -> SimNode:
         if self.policy == "least_loaded":
             return min(nodes, key=lambda n: (n.outstanding, nodes.index(n)))
         return nodes[next(self._turns[kind]) % len(nodes)]
 
-    def arrive(self, rid: int, req: BenchRequest, tracker: Tracker) -> None:
-        """Route one request; each HTTP hop to a node costs the profile's serving request_s."""
+    def arrive(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt,
+               on_done: Callable[[float], None]) -> None:
+        """Route one request; each HTTP hop to a node costs the profile's serving request_s.
+        `on_done(t)`: its last token left the decode node at t."""
         hop, now = self.sim.costs.request_hop, self.sim.now
-        if self.setup.mode == "colocated":
+        if self.setup.mode == "auto":
+            self._place(rid, req, tracker, prompt, on_done)
+        elif self.setup.mode == "colocated":
             node = self._pick(self.decoders, "decode")
-            self.sim.at(now + hop, lambda: node.submit(Job(rid, req.input_len, 0, req.output_len, tracker, lambda t: None)))
-            return
-        decoder_job = Job(rid, req.input_len, req.input_len - 1, req.output_len, tracker, lambda t: None)
-        nbytes = req.input_len * self.kv_bytes_per_token
+            job = Job(rid, req.input_len, 0, req.output_len, tracker, on_done, hashes=prompt.hashes)
+            self.sim.at(now + hop, lambda: node.submit(job))
+        elif self.setup.mode == "pull":
+            self._pull(rid, req, tracker, prompt, self._pick(self.prefillers, "prefill"), None, on_done)
+        else:  # push: D had the request first; only the last layer's bytes follow the prefill
+            decoder = self._pick(self.decoders, "decode")
+            decoder_job = Job(rid, req.input_len, req.input_len - 1, req.output_len, tracker, on_done,
+                              hashes=prompt.hashes)
+            nbytes = req.input_len * self.kv_bytes_per_token
+
+            def pushed(t: float) -> None:
+                self.sim.at(t + self.profile_transfer(nbytes / self.num_layers),
+                            lambda: (prefiller.release(prefill_job), decoder.submit(decoder_job)))
+
+            prefiller = self._pick(self.prefillers, "prefill")
+            prefill_job = Job(rid, req.input_len, 0, 1, None, pushed, hold=True, hashes=prompt.hashes)
+            self.sim.at(now + hop, lambda: prefiller.submit(prefill_job))
+
+    def _pull(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, prefiller: SimNode,
+              decoder: SimNode | None, on_done: Callable[[float], None],
+              on_prefilled: Callable[[], None] = lambda: None) -> None:
+        """P prefills and holds the KV; when P answers, the proxy sends the request to D (picked
+        then, unless given), which pulls what its own cache lacks; P frees the KV once pulled."""
+        hop, n = self.sim.costs.request_hop, req.input_len
+        decoder_job = Job(rid, n, n - 1, req.output_len, tracker, on_done, hashes=prompt.hashes)
 
         def prefilled(t: float) -> None:
-            """P holds the KV until it has left: pulled by D, or its last layer pushed."""
-            if self.setup.mode == "pull":  # P answers the proxy, which then sends the request to D
-                decoder = self._pick(self.decoders, "decode")
-                pulled = t + self.profile_transfer(nbytes) + hop
-                self.sim.at(pulled, lambda: (prefiller.release(prefill_job), decoder.submit(decoder_job)))
-            else:  # push: D had the request first; only the last layer's bytes follow the prefill
-                pushed = t + self.profile_transfer(nbytes / self.num_layers)
-                self.sim.at(pushed, lambda: (prefiller.release(prefill_job), push_decoder.submit(decoder_job)))
+            on_prefilled()
+            target = decoder or self._pick(self.decoders, "decode")
+            held = len(target.cached_prefix(decoder_job)) * target.batching.block_size
+            pulled = t + self.profile_transfer((n - held) * self.kv_bytes_per_token) + hop
+            self.sim.at(pulled, lambda: (prefiller.release(prefill_job), target.submit(decoder_job)))
 
-        push_decoder = self._pick(self.decoders, "decode") if self.setup.mode == "push" else None
-        prefiller = self._pick(self.prefillers, "prefill")
-        prefill_job = Job(rid, req.input_len, 0, 1, None, prefilled, hold=True)
-        self.sim.at(now + hop, lambda: prefiller.submit(prefill_job))
+        prefill_job = Job(rid, n, 0, 1, None, prefilled, hold=True, hashes=prompt.hashes)
+        self.sim.at(self.sim.now + hop, lambda: prefiller.submit(prefill_job))
+
+    def _place(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt,
+               on_done: Callable[[float], None]) -> None:
+        """Auto mode: the proxy's Placer chooses (placement.py), the flow runs as AutoFlow runs it."""
+        for n in self.p_nodes + self.d_nodes:  # what the proxy reads from each node's /metrics
+            sim_node = self.members[n.url]
+            n.kv_usage = 1.0 - sim_node.free_blocks / sim_node.batching.num_blocks
+        placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len)
+        self.placer.dispatched(placement)
+        self.placements[placement.choice] += 1
+        d, p, load = placement.decoder, placement.prefiller, req.input_len + req.output_len
+
+        def decoded(t: float) -> None:
+            d.end(load)
+            on_done(t)
+
+        if p is None:
+            d.begin(load)
+            job = Job(rid, req.input_len, 0, req.output_len, tracker, decoded, hashes=prompt.hashes)
+            self.sim.at(self.sim.now + self.sim.costs.request_hop, lambda: self.members[d.url].submit(job))
+            return
+        p.begin(load)
+        self._pull(rid, req, tracker, prompt, self.members[p.url], self.members[d.url], decoded,
+                   on_prefilled=lambda: (p.end(load), d.begin(load)))
 
     def profile_transfer(self, nbytes: float) -> float:
         return max(self._transfer_latency + self._transfer_per_byte * int(nbytes), 0.0)
 
 
+def prompts_of(requests: list[BenchRequest], seed: int) -> list[list[int]]:
+    """Token ids for every request (text prompts, which the simulator does not tokenize, get seeded
+    ones of their length), each conversation turn after its history: the previous turn's prompt
+    and an answer of seeded tokens."""
+    out: list[list[int]] = []
+    history: dict[int, list[int]] = {}
+    for rid, req in enumerate(requests):
+        rng = random.Random(seed * 1_000_003 + rid)
+        ids = list(req.prompt) if isinstance(req.prompt, list) else [rng.randrange(1000, 40000)
+                                                                     for _ in range(req.input_len)]
+        if req.conversation is not None:
+            ids = history.get(req.conversation, []) + ids
+            history[req.conversation] = ids + [rng.randrange(1000, 40000) for _ in range(req.output_len)]
+        out.append(ids)
+    return out
+
+
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
              seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm",
-             max_num_batched_tokens: int | None = None, chunked_prefill: bool = True, itls: bool = True) -> dict:
+             max_num_batched_tokens: int | None = None, chunked_prefill: bool = True, itls: bool = True,
+             prefix_caching: bool | None = None, placement: str = "cost") -> dict:
     """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py).
     Every node runs the profiled node's settings, with the token budget and chunking given here;
-    itls=False leaves the per-token gaps out (the planner reads TTFT and TPOT only)."""
-    if any(req.conversation is not None for req in requests):
-        raise ValueError("--dataset multiturn: the simulator does not model conversations yet (turns that wait "
-                         "for the previous answer and reuse its cached prefix)")
+    itls=False leaves the per-token gaps out (the planner reads TTFT and TPOT only).
+
+    Conversations (`--dataset multiturn`) run as bench runs them: they arrive at the rate, each
+    turn after the previous answer and its think time, its prompt the history so far. Prefix
+    caching (as the nodes run by default) is modelled when asked, and by default only when the
+    workload has conversations or the setup places by prefix (auto): random prompts share no
+    blocks, and hashing them costs the million-request runs time for nothing.
+    `placement`: auto mode's rule (`pdserve proxy --placement`), with the SLOs given."""
+    turns = any(req.conversation is not None for req in requests)
+    caching = prefix_caching if prefix_caching is not None else setup.mode == "auto" or turns
     sim = Simulation(profile)
     batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill)
-    proxy = Proxy(sim, setup, policy, transport, batching)
-    trackers: list[Tracker] = []
+    proxy = Proxy(sim, setup, policy, transport, batching, caching, placement, slos)
+    size = batching.block_size
+    ids = prompts_of(requests, seed) if caching or turns or setup.mode == "auto" else [None] * len(requests)
+    trackers: list[Tracker] = [None] * len(requests)  # type: ignore[list-item]
+
+    def send(rid: int, at: float, then: list[int]) -> None:
+        """Request `rid` leaves the client at `at`; `then`: the rest of its conversation, in order."""
+        req = requests[rid]
+        token_ids = ids[rid]
+        if token_ids is not None and len(token_ids) != req.input_len:  # a turn: the history goes first
+            req = replace(req, input_len=len(token_ids))
+        follows = then and requests[then[0]].conversation is not None
+        answer = ids[then[0]][len(token_ids):len(token_ids) + req.output_len] if follows else []
+        hashes = block_hashes(token_ids + answer, size) if caching else None
+        tracker = trackers[rid] = Tracker(req, at, [] if itls else None)
+
+        def done(t: float) -> None:
+            if then:  # the user reads the answer, thinks, and sends the next turn
+                nxt = then[0]
+                client_done = t + sim.costs.stream_delay
+                sim.at(client_done + requests[nxt].think_s, lambda: send(nxt, sim.now, then[1:]))
+
+        sim.at(at, lambda: proxy.arrive(rid, req, tracker, Prompt(token_ids, hashes), done))
+
+    rids = {id(req): rid for rid, req in enumerate(requests)}
+    sessions = [[rids[id(req)] for req in session] for session in conversations(requests)]
     t = 0.0
-    for rid, (req, gap) in enumerate(zip(requests, arrival_gaps(len(requests), rate, burstiness, seed))):
+    for session, gap in zip(sessions, arrival_gaps(len(sessions), rate, burstiness, seed)):
         t += gap
-        tracker = Tracker(req, t, [] if itls else None)
-        trackers.append(tracker)
-        sim.at(t, lambda rid=rid, req=req, tracker=tracker: proxy.arrive(rid, req, tracker))
+        send(session[0], t, session[1:])
     sim.run()
     results = [tr.result(itls, sim.costs.stream_delay) for tr in trackers]
     duration = max((tr.last for tr in trackers if tr.first is not None), default=0.0)
     summary = summarize(results, duration, slos)
-    summary.update({"setup": f"{setup.mode}:{setup.prefill}P{setup.decode}D" if setup.mode != "colocated"
-                    else f"colocated:{setup.decode}", "policy": policy, "simulated": True,
+    shape = f"{setup.prefill}P{setup.decode}D" if setup.prefill else f"{setup.decode}"
+    summary.update({"setup": f"{setup.mode}:{shape}", "policy": policy, "simulated": True,
                     "max_num_batched_tokens": batching.budget, "chunked_prefill": chunked_prefill,
+                    "prefix_caching": caching,
                     "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders)})
+    if setup.mode == "auto":
+        summary.update({"placement": placement, "placements": dict(proxy.placements)})
     return summary

@@ -27,17 +27,21 @@ class CostModel:
     def load(cls, path: str | Path) -> CostModel:
         """ValueError naming what is wrong with the file, in one line."""
         try:
-            data = json.loads(Path(path).read_text())
-            chunk = _coefficients(data["prefill_chunk"], ["one", "tokens", "attention_pairs"])
-            step = _coefficients(data["decode_step"], ["one", "seqs", "kv_tokens"])
-            transfer = {name: _coefficients(fit, ["one", "bytes"]) for name, fit in data["transfer"].items()}
-            node = data["meta"]["node"]
-            return cls(chunk, step, transfer, float(data.get("serving", {}).get("request_s", 0.0)),
-                       int(node["kv_bytes_per_token"]), int(node["max_num_batched_tokens"]))
+            return cls.of(json.loads(Path(path).read_text()))
         except OSError as exc:
             raise ValueError(f"--profile {path}: {exc.strerror} (make one with `pdserve profile --out ...`)") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"--profile {path}: not a pdserve profile ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def of(cls, data: dict) -> CostModel:
+        """From a profile as plan/profile.py writes it (the simulator passes its Profile's dict)."""
+        chunk = _coefficients(data["prefill_chunk"], ["one", "tokens", "attention_pairs"])
+        step = _coefficients(data["decode_step"], ["one", "seqs", "kv_tokens"])
+        transfer = {name: _coefficients(fit, ["one", "bytes"]) for name, fit in data["transfer"].items()}
+        node = data["meta"]["node"]
+        return cls(chunk, step, transfer, float(data.get("serving", {}).get("request_s", 0.0)),
+                   int(node["kv_bytes_per_token"]), int(node["max_num_batched_tokens"]))
 
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
         """Seconds to prefill tokens [cached, tokens) in chunks of the token budget."""
