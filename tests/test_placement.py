@@ -22,6 +22,7 @@ from pdserve.proxy.membership import Membership
 from pdserve.proxy.placement import Placer, PromptView
 from pdserve.proxy.policies import Node, NoHealthyNode
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
+from pdserve.proxy.speed import DecodeWindow, NodeSpeed
 
 PROFILE = Path(__file__).parents[1] / "docs" / "results" / "profile.json"
 
@@ -103,8 +104,50 @@ def test_with_slos_a_request_waits_behind_a_long_prefill_rather_than_overfill_a_
     slo_aware = placer(tmp_path, [a, b], slos={"ttft_ms": 10_000, "tpot_ms": 45})
     choice = slo_aware.place(prompt, [], [a, b], output_tokens=128)
     assert choice.decoder is b
-    view = PromptView(prompt, slo_aware.costs, slo_aware.index, "shm")
+    view = PromptView(prompt, slo_aware.costs, slo_aware.index, "shm", slo_aware.clock())
     assert slo_aware.misses(view.local(a), view, 128) == 4 and slo_aware.misses(view.local(b), view, 128) == 0
+
+
+def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
+    """Decode: 10 decode-only steps of 2 sequences and 200 KV tokens in 0.6 s, against a model of
+    10 ms + 10 ms/seq + 0.1 ms/KV token (50 ms a step): 1.2x, of which 30 % is taken in. A node
+    whose counters go back restarted: its next window counts from zero. Prefill: short ones are
+    left out, and a ratio is bounded."""
+    speed = NodeSpeed()
+
+    def predict(seqs: float, kv_tokens: float) -> float:
+        return 0.010 + 0.010 * seqs + 0.0001 * kv_tokens
+
+    speed.count_decode_steps(DecodeWindow(4, 0.24, 8, 800))
+    speed.fold_decode(predict)
+    assert speed.decode == 1.0 and speed.pending.steps == 4  # too few steps yet
+    speed.count_decode_steps(DecodeWindow(10, 0.6, 20, 2000))
+    speed.fold_decode(predict)
+    assert speed.decode == pytest.approx(0.7 + 0.3 * 1.2) and speed.pending.steps == 0
+    speed.count_decode_steps(DecodeWindow(9, 0.9, 18, 1800))  # restarted: 9 steps of 100 ms
+    speed.fold_decode(predict)
+    assert speed.decode == pytest.approx(0.7 * (0.7 + 0.3 * 1.2) + 0.3 * 2.0)
+    speed.observe_prefill(0.1, 0.02)
+    assert speed.prefill == 1.0
+    speed.observe_prefill(10.0, 1.0)
+    assert speed.prefill == pytest.approx(0.7 + 0.3 * 3.0)
+
+
+def test_placement_prices_each_node_at_its_measured_speed(tmp_path):
+    """B prefills twice as slowly as the profile says: A wins an idle tie. With a TPOT SLO of 45 ms,
+    A's 3 streams fit (42.7 ms a step) until A decodes 1.2x slower than profiled."""
+    a, b = Node("http://a:1", "both"), Node("http://b:1", "both")
+    b.speed.prefill = 2.0
+    choice = placer(tmp_path, [a, b]).place(list(range(100)), [], [b, a])
+    assert choice.decoder is a
+    view = PromptView(list(range(100)), placer(tmp_path, [a, b]).costs, placer(tmp_path, [a, b]).index, "shm", 0.0)
+    assert view.local(b).ttft_s == pytest.approx(2 * 0.110) and view.local(b).prefill_profile_s == pytest.approx(0.110)
+    slo_aware = placer(tmp_path, [a, b], slos={"ttft_ms": 10_000, "tpot_ms": 45})
+    a.active_requests, a.active_tokens = 2, 512
+    view = PromptView(list(range(100)), slo_aware.costs, slo_aware.index, "shm", 0.0)
+    assert slo_aware.misses(view.local(a), view, 128) == 0
+    a.speed.decode = 1.2
+    assert slo_aware.misses(view.local(a), view, 128) == 3  # this request and A's 2 streams
 
 
 def test_the_baseline_rules_choose_as_their_systems_do(tmp_path):
@@ -181,6 +224,12 @@ def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
         assert metric(proxy.url, "pdserve_proxy:placement_total", 'choice="remote"') == 1
         assert metric(proxy.url, "pdserve_proxy:placement_seconds_count") == 4
         assert metric(prefill.url, "pdserve:kv_blocks_held") == 0  # D pulled P's KV and P freed it
+        # D's decode-only steps, which the proxy read and priced against the profile: D's speed now
+        steps = metric(decode.url, "pdserve:decode_steps_total")
+        assert steps >= 390 and metric(decode.url, "pdserve:decode_step_seqs_total") >= steps
+        assert metric(decode.url, "pdserve:decode_step_kv_tokens_total") > 100 * steps  # ~200 a step on average
+        speeds = {n["role"]: n["speed"] for n in httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"]}
+        assert speeds["decode"]["decode"] != 1.0 and 1 / 3 <= speeds["decode"]["decode"] <= 3
     finally:
         proxy.stop()
         decode.stop()

@@ -35,6 +35,17 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class DecodeSteps:
+    """Steps that only decoded, summed since start: how long they took and what they held. The proxy
+    (auto mode) divides the time by its profile's prediction for these batches: the node's speed now."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    seqs: int = 0
+    kv_tokens: int = 0  # each sequence's tokens, the one fed that step included
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine's state after its latest step."""
 
@@ -44,6 +55,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_held: int = 0  # P: held for a decode node to pull
     kv: KVStatsSnapshot = field(default_factory=KVStatsSnapshot)  # transfer counters
+    decode: DecodeSteps = field(default_factory=DecodeSteps)
 
 
 class EngineClient(ABC):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.client import EngineInfo, EngineStats
+from pdserve.engine.client import DecodeSteps, EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, is_decode
 from pdserve.engine.request import Request, RequestOutput
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
 from pdserve.kv.events import KVEventLog
 from pdserve.kv.holds import HeldBlocks
@@ -98,6 +99,8 @@ class LLMEngine:
             self.connector_worker = KVConnectorWorker(kv, held, self.kv_stats)
             self.connector.advertised = self.connector_worker.register_kv_caches(self.pool)
         self.kv_events = KVEventLog(config.block_size)
+        self.decode_steps = DecodeSteps()
+        self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -200,23 +203,36 @@ class LLMEngine:
             num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_held=sum(len(req.block_ids) for req in s.held.values()),
-            kv=self.kv_stats.snapshot(),
+            kv=self.kv_stats.snapshot(), decode=self.decode_steps,
         )
 
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         outputs = self._step()
+        if self._decode_batch is not None:  # a step of decodes only: timed for the proxy's placement
+            seqs, kv_tokens = self._decode_batch
+            d = self.decode_steps
+            self.decode_steps = DecodeSteps(d.steps + 1, d.seconds + time.perf_counter() - started,
+                                            d.seqs + seqs, d.kv_tokens + kv_tokens)
         self.kv_events.close_batch()  # what this step filed in and dropped from the prefix cache
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduled = self.scheduler.schedule()
+        batch = scheduled.scheduled
+        self._decode_batch = ((len(batch), sum(s.request.num_tokens for s in batch))
+                              if batch and all(is_decode(s) for s in batch) else None)
+        return scheduled
 
     def _step(self) -> list[RequestOutput]:
         worker = self.connector_worker
         if worker is None:
-            scheduled = self.scheduler.schedule()
+            scheduled = self._schedule()
             return self.scheduler.update_from_output(scheduled, self.model_runner.run(scheduled))
         outputs = self.scheduler.update_kv_transfers(worker.get_finished())
-        scheduled = self.scheduler.schedule()
+        scheduled = self._schedule()
         meta = self.connector.build_connector_meta(scheduled.scheduled)
         worker.start_load_kv(meta, self.connector.advertised)
         # Push: each layer goes to D as soon as it is computed; the step ends once all are sent.

@@ -49,7 +49,7 @@ class NodeMetrics:
               registry=r).set_function(lambda: stats().num_loading)
         self.kv_load = Histogram("pdserve:kv_load_seconds", "Wait for remote KV per request (decode node)",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_KVTransferCollector(stats))
+        r.register(_EngineCounters(stats))
 
     def observe_step(self, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after each step."""
@@ -78,8 +78,8 @@ class NodeMetrics:
             self.tpot.observe((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))
 
 
-class _KVTransferCollector(Collector):
-    """Transfer counters kept by the connector's threads, read at scrape time."""
+class _EngineCounters(Collector):
+    """Counters the engine keeps (transfers, by the connector's threads; decode-only steps), read at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
@@ -99,3 +99,10 @@ class _KVTransferCollector(Collector):
                                   value=s.holds_expired)
         yield CounterMetricFamily("pdserve:kv_remote_prompt_tokens", "Prompt tokens whose KV came from a P",
                                   value=s.remote_tokens)
+        # Steps that only decoded: the proxy's auto mode prices decode batches by them (proxy/speed.py).
+        d = self.stats().decode
+        yield CounterMetricFamily("pdserve:decode_steps", "Engine steps that only decoded", value=d.steps)
+        yield CounterMetricFamily("pdserve:decode_step_seconds", "Time in decode-only steps", value=d.seconds)
+        yield CounterMetricFamily("pdserve:decode_step_seqs", "Sequences in decode-only steps, summed", value=d.seqs)
+        yield CounterMetricFamily("pdserve:decode_step_kv_tokens", "KV tokens read by decode-only steps, summed",
+                                  value=d.kv_tokens)

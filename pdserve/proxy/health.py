@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.proxy.client import NodeClient, NodeError
 from pdserve.proxy.membership import Membership, NodesFile
 from pdserve.proxy.policies import Node
+from pdserve.proxy.speed import DecodeWindow
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ class HealthPoller:
             node.kv_usage = used / total
         if text:  # a node restarted at the same URL may run another dtype
             node.engine = engine_info(text)
+            node.speed.count_decode_steps(DecodeWindow(
+                int(sample(text, "pdserve:decode_steps_total")), sample(text, "pdserve:decode_step_seconds_total"),
+                int(sample(text, "pdserve:decode_step_seqs_total")),
+                int(sample(text, "pdserve:decode_step_kv_tokens_total"))))
 
 
 def sample(metrics_text: str, name: str) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.proxy.costs import CostModel
@@ -35,6 +36,7 @@ class Placement:
     prefiller: Node | None  # None: the decode node prefills the prompt itself
     cached_tokens: int  # of the prompt, on the node that prefills it
     prefill_s: float  # predicted seconds of prefill on that node
+    prefill_profile_s: float  # the profile's prediction, before that node's measured speed (proxy/speed.py)
     ttft_s: float  # predicted time to first token, from now
     stall_s: float  # predicted delay added to the streams decoding on the decode node, summed
 
@@ -49,9 +51,10 @@ class Placement:
 class PromptView:
     """One prompt against the nodes now: the blocks each holds, its queue, and each option's price."""
 
-    def __init__(self, token_ids: list[int], costs: CostModel, index: PrefixIndex, transport: str) -> None:
+    def __init__(self, token_ids: list[int], costs: CostModel, index: PrefixIndex, transport: str,
+                 now: float) -> None:
         self.token_ids, self.costs, self.index, self.transport = token_ids, costs, index, transport
-        self.now = time.monotonic()
+        self.now = now
         self._hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
         self._cached: dict[str, int] = {}
 
@@ -77,20 +80,23 @@ class PromptView:
 
     def local(self, d: Node) -> Placement:
         hit = self.cached(d)
-        seconds = self.costs.prefill_s(self.tokens, hit)
-        return Placement(d, None, hit, seconds, self.wait(d) + self.costs.request_hop_s + seconds,
+        profile_s = self.costs.prefill_s(self.tokens, hit)
+        seconds = profile_s * d.speed.prefill
+        return Placement(d, None, hit, seconds, profile_s, self.wait(d) + self.costs.request_hop_s + seconds,
                          seconds * d.active_requests)
 
     def prefill_ttft(self, p: Node) -> float:
         """When P would answer the proxy: its queue, a hop, the prefill of what it does not hold."""
-        return self.wait(p) + self.costs.request_hop_s + self.costs.prefill_s(self.tokens, self.cached(p))
+        return (self.wait(p) + self.costs.request_hop_s
+                + self.costs.prefill_s(self.tokens, self.cached(p)) * p.speed.prefill)
 
     def remote(self, d: Node, p: Node) -> Placement:
         n, costs, hit = self.tokens, self.costs, self.cached(p)
-        last_token = costs.prefill_s(n, n - 1)  # D computes the last prompt token itself
+        last_token = costs.prefill_s(n, n - 1) * d.speed.prefill  # D computes the last prompt token itself
         ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), self.transport) + costs.request_hop_s
                 + self.wait(d) + last_token)
-        return Placement(d, p, hit, costs.prefill_s(n, hit), ttft, last_token * d.active_requests)
+        profile_s = costs.prefill_s(n, hit)
+        return Placement(d, p, hit, profile_s * p.speed.prefill, profile_s, ttft, last_token * d.active_requests)
 
     def uncached(self, node: Node) -> int:
         return self.tokens - self.cached(node)
@@ -108,12 +114,14 @@ class Placer:
     MAX_PREFILL_QUEUE = 2  # threshold: requests on a P node past which the prefill stays local
 
     def __init__(self, costs: CostModel, index: PrefixIndex, rule: str = "cost", stall_weight: float = 1.0,
-                 threshold_tokens: int = 512, transport: str = "shm", slos: dict[str, float] | None = None) -> None:
+                 threshold_tokens: int = 512, transport: str = "shm", slos: dict[str, float] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if rule not in self.RULES:
             raise ValueError(f"--placement must be one of {', '.join(self.RULES)}, got {rule!r}")
         self.costs, self.index, self.rule, self.transport = costs, index, rule, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
         self.slos = slos or {}  # ttft_ms / tpot_ms: the cost rule first counts who would miss them
+        self.clock = clock  # the simulator runs this Placer on its own clock (plan/simulator.py)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._least_loaded = LeastLoaded()
 
@@ -135,10 +143,10 @@ class Placer:
             return 0
         d, costs = option.decoder, self.costs
         ttft_slo, tpot_slo = self.slos.get("ttft_ms", float("inf")) / 1e3, self.slos.get("tpot_ms", float("inf")) / 1e3
-        streams = d.active_requests
-        after = costs.step_s(streams + 1, d.active_tokens + view.tokens + output_tokens)
+        streams, speed = d.active_requests, d.speed.decode
+        after = costs.step_s(streams + 1, d.active_tokens + view.tokens + output_tokens) * speed
         misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo)
-        if streams and costs.step_s(streams, d.active_tokens) <= tpot_slo < after + option.stall_s / streams / output_tokens:
+        if streams and costs.step_s(streams, d.active_tokens) * speed <= tpot_slo < after + option.stall_s / streams / output_tokens:
             misses += streams
         return misses
 
@@ -150,7 +158,9 @@ class Placer:
         decoders = [d for d in decoders if d.healthy]
         if not decoders:
             raise NoHealthyNode("no healthy decode or colocated node")
-        view = PromptView(token_ids, self.costs, self.index, self.transport)
+        for d in decoders:  # the decode steps each node ran since the last request
+            d.speed.fold_decode(self.costs.step_s)
+        view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock())
         if self.rule == "cost":
             return min(self.options(view, prefillers, decoders),
                        key=lambda o: (self.misses(o, view, output_tokens), o.score(self.stall_weight),
@@ -184,8 +194,7 @@ class Placer:
         queue = 1.0 - node.active_requests / longest_queue if longest_queue else 1.0
         return 3 * prefix + 2 * queue + 2 * (1.0 - node.kv_usage)
 
-    @staticmethod
-    def dispatched(placement: Placement) -> None:
+    def dispatched(self, placement: Placement) -> None:
         """Queue the prefill's predicted time on the node that runs it."""
         node = placement.prefiller or placement.decoder
-        node.prefill_backlog_until = max(node.prefill_backlog_until, time.monotonic()) + placement.prefill_s
+        node.prefill_backlog_until = max(node.prefill_backlog_until, self.clock()) + placement.prefill_s

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from pdserve.proxy.speed import NodeSpeed
+
 
 @dataclass
 class Node:
@@ -18,6 +20,7 @@ class Node:
     failures: int = 0  # consecutive failed health checks
     engine: dict[str, str] = field(default_factory=dict)  # device, isa, dtype, kernels (its engine_info)
     prefill_backlog_until: float = 0.0  # auto mode: when the prefills sent to it are predicted done (monotonic s)
+    speed: NodeSpeed = field(default_factory=NodeSpeed)  # auto mode: how fast it runs against the profile
 
     def record_check(self, ok: bool, max_failures: int) -> None:
         """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""

@@ -47,6 +47,7 @@ class AutoFlow(Flow):
         token_ids = self.prompts.of(req.parsed)
         asked = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
         output_tokens = asked if isinstance(asked, int) and asked > 0 else DEFAULT_OUTPUT_TOKENS
+        req.tokens = len(token_ids) + output_tokens  # the nodes' load counts exact tokens, not the estimate
         failed: set[str] = set()
         while True:
             placement = self.placer.place(token_ids, [p for p in self.members.prefillers if p.url not in failed],
@@ -56,13 +57,15 @@ class AutoFlow(Flow):
                 timing.placement_s = time.perf_counter() - start
                 self.metrics.placed(placement.choice, timing.placement_s)
             timing.placement, timing.predicted_ttft_s = placement.choice, placement.ttft_s
-            Placer.dispatched(placement)
+            self.placer.dispatched(placement)
             decoder, prefiller = placement.decoder, placement.prefiller
             try:
                 body = req.body
                 if prefiller is not None:
                     body = {**req.body, "kv_transfer_params": await self.prefill_for_pull(prefiller, req)}
-                return await self.answer(decoder, self.ask(decoder, req, body), req)
+                response = await self.answer(decoder, self.ask(decoder, req, body), req)
+                (prefiller or decoder).speed.observe_prefill(timing.prefill_s, placement.prefill_profile_s)
+                return response
             except NodeError as exc:
                 node = next((n for n in (decoder, prefiller) if n is not None and n.url == exc.node), None)
                 if node is None or not exc.retryable:
