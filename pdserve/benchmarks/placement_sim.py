@@ -14,7 +14,8 @@ node (the study's rate x N / 2):
 The auto setups run the proxy's own Placer (pdserve/proxy/placement.py) on the simulation's clock;
 every node models the prefix cache (plan/simulator.py). Workloads: `mixed`, `multiturn` (the
 study's: 4 turns, 512-token system prompt, 64-token turns and answers, 1 s think time) and
-`multiturn-long` (8 turns, 1024-token system prompt, 128-token turns): histories that grow longer.
+`multiturn-long` (8 turns, 1024-token system prompt, 128-token turns, at half the rates): histories
+that grow longer.
 N = 2 is there to set the simulator beside the measured study.
 
 Writes docs/results/placement_sim.json, placement_sim.png and a section of docs/benchmarks.md.
@@ -47,6 +48,7 @@ WORKLOADS = {  # name: (turns, system prompt, turn and answer tokens); None: mix
     "multiturn": (4, 512, 64),
     "multiturn-long": (8, 1024, 128),
 }
+RATE_SCALE = {"multiturn-long": 0.5}  # its conversations hold 4x the tokens: half the study's rates
 THINK_S = 1.0
 
 
@@ -68,7 +70,7 @@ def run(profile: Profile, nodes: int, slos: dict, study: dict, seconds: float) -
             base_rates = study["mixed_rates"] if WORKLOADS[name] is None else study["multiturn_rates"]
             points[name] = []
             for i, base in enumerate(base_rates):
-                rate = base * nodes / 2
+                rate = base * nodes / 2 * RATE_SCALE.get(name, 1.0)
                 started = time.perf_counter()
                 summary = simulate(profile, setup, workload(name, i, rate, seconds), rate, 1.0, i, slos,
                                    chunked_prefill=chunked, itls=False, prefix_caching=True,

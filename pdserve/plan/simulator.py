@@ -1,28 +1,36 @@
 """A discrete-event model of pdserve serving a workload, driven by a measured profile.
 
-    pdserve simulate --profile profile.json --setup colocated:2|pull:1P1D|push:1P3D [bench's workload flags]
+    pdserve simulate --profile profile.json --setup colocated:2|pull:1P1D|push:1P3D|auto:8|auto:4P4D [bench's workload flags]
 
 What it models, as pdserve does it:
 - the proxy: colocated (each request to one `--role both` node), pull (P prefills and samples one
-  token, D pulls the KV, recomputes the last prompt token and decodes), push (D reserves its blocks
-  first, P pushes each layer as it is computed, so only the last layer's transfer follows the
-  prefill); nodes picked by round robin or least loaded (outstanding requests);
+  token, D pulls the KV its own cache lacks, recomputes the last prompt token and decodes), push
+  (D reserves its blocks first, P pushes each layer as it is computed, so only the last layer's
+  transfer follows the prefill), auto (the proxy's own Placer, pdserve/proxy/placement.py, run on
+  the simulation's clock: per request, the decode node and whether it prefills locally or on a P
+  that D then pulls from); nodes picked by round robin or least loaded (outstanding requests);
 - each node's scheduler, one step at a time, as pdserve's Scheduler runs it (a test checks the two
-  token for token): running requests first, in the order they were admitted, then waiting ones
-  within the token budget (chunked prefill) and max_num_seqs; KV blocks taken as tokens are
-  computed; when a running request cannot get a block the newest one is preempted and later
-  prefilled again with its output so far; a P node holds a prompt's blocks until its KV has left
-  (pulled by D, or its last layer pushed); steps that only decode a batch that does not change
-  are one event (a decode run, ended early where blocks would run out), so the cost of simulating
-  grows with requests, not with tokens;
+  token for token, with and without prefix caching): running requests first, in the order they
+  were admitted, then waiting ones within the token budget (chunked prefill) and max_num_seqs; KV
+  blocks taken as tokens are computed; when a running request cannot get a block the newest one is
+  preempted and later prefilled again with its output so far; a P node holds a prompt's blocks
+  until its KV has left (pulled by D, or its last layer pushed); steps that only decode a batch
+  that does not change are one event (a decode run, ended early where blocks would run out), so
+  the cost of simulating grows with requests, not with tokens;
+- the prefix cache, block by block as BlockManager keeps it (hash-chained full blocks, shared while
+  in use, evicted least recently freed first), when the workload has conversations, the setup is
+  auto, or it is asked for;
+- conversations (`--dataset multiturn`) as bench runs them: each turn sent after the previous
+  answer and the user's think time, its prompt the history (earlier turns and seeded answers);
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for
   each chunk, plus what the server adds per step; each HTTP hop to a node (one colocated, P's and
   D's in pull, P's in push, where D had the request during the prefill) adds the profile's
   per-request serving cost, and streaming delays every token the client sees by its stream cost;
   transfers: the profile's fit for the transport.
 
-Not modelled: the prefix cache (every prompt is computed in full), and D's blocks while a pull is
-in flight (the transfer is charged before D queues the request).
+Not modelled: D's blocks while a pull is in flight (the transfer is charged before D queues the
+request); the proxy's view of the caches lagging the nodes' events (the simulated index is exact);
+a bench client's retokenized answers, which may split the last block of an answer differently.
 
 It returns the fields `pdserve bench --out` writes (pdserve/workload.py: summarize), so a
 simulated and a measured run compare key by key.
@@ -30,6 +38,7 @@ simulated and a measured run compare key by key.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -318,11 +327,15 @@ class SimNode:
 
     def _allocate(self, job: Job, tokens: int, prefix: list[int] = ()) -> bool:
         """Blocks for `tokens` computed tokens of job, the cached `prefix` blocks first (BlockManager.allocate)."""
-        needed = self.batching.blocks_for(tokens) - job.blocks - len(prefix)
-        reusable = self.cache.reusable(prefix) if prefix else 0
-        if needed > self.free_blocks - reusable:
-            return False
-        if prefix:
+        if not prefix:  # the hot path
+            needed = self.batching.blocks_for(tokens) - job.blocks
+            if needed > self.free_blocks:
+                return False
+        else:
+            needed = self.batching.blocks_for(tokens) - job.blocks - len(prefix)
+            reusable = self.cache.reusable(prefix)
+            if needed > self.free_blocks - reusable:
+                return False
             self.cache.take(prefix)
             job.keys.extend(prefix)
             job.blocks += len(prefix)
@@ -344,7 +357,7 @@ class SimNode:
         job.blocks = 0
 
     def _publish(self, job: Job) -> None:
-        if self.cache is not None and job.hashes:
+        if job.hashes:
             full = min(job.computed // self.batching.block_size, len(job.hashes))
             if full > job.published:
                 self.cache.publish(job.keys, job.hashes, job.published, full)
@@ -463,13 +476,16 @@ class SimNode:
     def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
         now = self.sim.now
         emitting = list(decodes)
+        caching = self.cache is not None
         for job in decodes:
             job.computed += 1
             job.generated += 1
-            self._publish(job)
+            if caching:
+                self._publish(job)
         for job, n in chunks:
             job.computed += n
-            self._publish(job)
+            if caching:
+                self._publish(job)
             if job.computed == job.prompt_tokens + job.generated:  # the prompt is done: its next token
                 job.generated += 1
                 emitting.append(job)
@@ -488,7 +504,8 @@ class SimNode:
             job.generated += run.steps
             if job.computed > job.blocks * size:  # the blocks its steps took, counted at the end
                 self._allocate(job, job.computed)
-            self._publish(job)
+            if self.cache is not None:
+                self._publish(job)
             if job.tokens is not None:
                 job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
         self._retire(run.jobs, self.sim.now)
@@ -698,6 +715,19 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     workload has conversations or the setup places by prefix (auto): random prompts share no
     blocks, and hashing them costs the million-request runs time for nothing.
     `placement`: auto mode's rule (`pdserve proxy --placement`), with the SLOs given."""
+    collecting = gc.isenabled()
+    gc.disable()  # a run makes millions of short-lived objects and no cycles: the collector's passes are pure cost
+    try:
+        return _simulate(profile, setup, requests, rate, burstiness, seed, slos, policy, transport,
+                         max_num_batched_tokens, chunked_prefill, itls, prefix_caching, placement)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
+              seed: int, slos: dict[str, float], policy: str, transport: str, max_num_batched_tokens: int | None,
+              chunked_prefill: bool, itls: bool, prefix_caching: bool | None, placement: str) -> dict:
     turns = any(req.conversation is not None for req in requests)
     caching = prefix_caching if prefix_caching is not None else setup.mode == "auto" or turns
     sim = Simulation(profile)
