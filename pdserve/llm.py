@@ -36,8 +36,9 @@ class LLM:
         param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(batch):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(batch)} prompts")
-        for prompt in batch:  # reject bad input before any request is queued
+        for prompt, sp in zip(batch, param_list):  # reject bad input before any request is queued
             self.engine.tokenize_prompt(prompt)
+            sp.check_vocab(self.engine.model_config.vocab_size)
         ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(batch, param_list)]
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating") as bar:

@@ -23,6 +23,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Logit controls (engine/logits.py), in vLLM's and OpenAI's meanings:
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (HF's CTRL rule)
+    min_tokens: int = 0  # stop tokens and stop strings do not end the output before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # report each sampled token's logprob and this many most likely (engine/logprobs.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,10 +48,38 @@ class SamplingParams:
             raise InvalidParameter("stop", "stop strings must not be empty")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidParameter(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise InvalidParameter("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidParameter("min_tokens", f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                                                 f"got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise InvalidParameter("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not -100 <= bias <= 100:
+                raise InvalidParameter("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {token}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """What only the model can say: whether logit_bias names tokens it has."""
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise InvalidParameter("logit_bias", f"token id {max(self.logit_bias)} is outside the vocabulary "
+                                                 f"[0, {vocab_size})")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit control is set (the sampler leaves other rows alone)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     @property
     def max_stop_len(self) -> int:

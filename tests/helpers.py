@@ -20,9 +20,12 @@ class _NoDetok:
         return ""
 
 
-def make_request(tokens: list[int], rid: str = "r", max_tokens: int = 4) -> Request:
-    """A request for the scheduler and block manager alone: no stop token, no detokenizer."""
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), _NoDetok(), (), 10_000, None)
+def make_request(tokens: list[int], rid: str = "r", max_tokens: int = 4, params: SamplingParams | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> Request:
+    """A request for the scheduler, block manager or sampler alone: no detokenizer; no stop token
+    unless `eos_token_ids` (with `params` that do not ignore EOS)."""
+    params = params or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, tokens, params, _NoDetok(), eos_token_ids, 10_000, None)
 
 
 @torch.inference_mode()

@@ -51,6 +51,24 @@ def test_push_equals_pull_equals_colocated(cluster):
         assert metric(cluster[name].url, "pdserve:kv_blocks_held") == 0
 
 
+def test_sampling_controls_and_logprobs_through_push_and_pull_equal_colocated(cluster):
+    """Penalties, logit_bias and min_tokens: P computes the prompt (and its one token obeys them),
+    D the rest; greedy output and its logprobs equal to the colocated node's. A field pdserve
+    refuses is P's or D's 400, relayed with its name."""
+    ask = {"model": MODEL, "prompt": "The cat sat on the mat. The cat sat on the mat. The", "max_tokens": 16,
+           "temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2,
+           "logit_bias": {"338": 3.0}, "min_tokens": 4, "logprobs": 3}
+    expected = httpx.post(cluster["both"].url + "/v1/completions", json=ask, timeout=120).json()["choices"][0]
+    for mode in ("push", "pull"):
+        got = httpx.post(cluster[mode].url + "/v1/completions", json=ask, timeout=120)
+        assert got.status_code == 200, (mode, got.text)
+        choice = got.json()["choices"][0]
+        assert choice["text"] == expected["text"] and choice["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
+        refused = httpx.post(cluster[mode].url + "/v1/completions", json={**ask, "echo": True}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo", (mode, refused.text)
+
+
 def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):
     before = {d: metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') for d in ("d_shm", "d_tcp")}
     for p in PROMPTS[:2]:

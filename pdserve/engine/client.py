@@ -32,6 +32,7 @@ class EngineInfo:
     max_model_len: int
     kv_blocks_total: int
     engine_labels: dict[str, str]  # device, device_name, isa, dtype, kernels, quantization, attention (pdserve:engine_info)
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class EngineClient(ABC):
 
     @abstractmethod
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+
+    @abstractmethod
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens included), as logprobs name tokens."""
 
     @abstractmethod
     def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:

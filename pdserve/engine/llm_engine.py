@@ -161,6 +161,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
+        params.check_vocab(self.model_config.vocab_size)
         if isinstance(kv_transfer_params, dict):
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
@@ -190,7 +191,7 @@ class LLMEngine:
     # -- state, for the engine client -----------------------------------------------------------
 
     def info(self) -> EngineInfo:
-        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels())
+        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels(), self.model_config.vocab_size)
 
     def labels(self) -> dict[str, str]:
         """How this engine computes: the kernel plan, the weights' quantization, the decode attention."""

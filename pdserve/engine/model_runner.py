@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.logits import apply_logit_controls
+from pdserve.engine.logprobs import token_logprobs
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.kv.pool import KVPool
@@ -40,7 +42,15 @@ class ModelRunner:
                 last_index.append(offset - 1)
         # Decodes always sample, so they are the first rows of the logits too.
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)], meta.num_decodes)
+        reporting = [i for i, s in enumerate(samplers) if s.request.params.logprobs is not None]
+        raw = logits[reporting] if reporting else None  # a copy, taken before the controls change the rows in place
+        logits = apply_logit_controls(logits, [s.request for s in samplers])
         tokens = sample(logits, [s.request.params for s in samplers], [s.request.generator for s in samplers])
+        if reporting:
+            reports = token_logprobs(raw, [tokens[i] for i in reporting],
+                                     [samplers[i].request.params.logprobs for i in reporting])
+            for i, report in zip(reporting, reports):
+                samplers[i].request.logprobs.append(report)  # the scheduler appends its token next
         return {s.request.request_id: t for s, t in zip(samplers, tokens)}
 
     def _prepare(self, batch: list[ScheduledRequest]):

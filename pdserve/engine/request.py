@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
@@ -88,6 +89,7 @@ class Request:
         self.kv_transfer_params_out: KVTransferParams | None = None
         self.kv_external_tokens = 0  # D: tokens being loaded from P right now
         self.error: str | None = None  # why the request failed, when it did
+        self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,7 +120,8 @@ class Request:
         self.detokenizer.add(token_id)
         if token_id in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif self.params.stop and self.detokenizer.truncate_at_stop(self.params.stop):
+        elif (self.params.stop and self.num_output_tokens >= self.params.min_tokens
+              and self.detokenizer.truncate_at_stop(self.params.stop)):
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
@@ -139,6 +142,7 @@ class RequestOutput:
     metrics: RequestMetrics
     kv_transfer_params: KVTransferParams | None = None  # P: where D can pull this request's KV
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # of every output token so far, when asked for
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> "RequestOutput":
@@ -155,4 +159,5 @@ class RequestOutput:
             metrics=req.metrics,
             kv_transfer_params=req.kv_transfer_params_out,
             error=req.error,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         )

@@ -99,6 +99,9 @@ class ThreadedEngineClient(EngineClient):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
 
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        return [self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
     def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         self.engine.check_kv_transfer_params(params, num_prompt_tokens)
 

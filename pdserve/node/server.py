@@ -29,6 +29,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.engine.threaded_client import ThreadedEngineClient
 from pdserve.kv.params import parse as parse_kv_transfer_params
+from pdserve.node.logprobs import chat_logprobs, completion_logprobs
 from pdserve.node.metrics import NodeMetrics
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
@@ -157,6 +158,7 @@ class NodeServer:
         return requested
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool):
+        params.check_vocab(self.engine.info.vocab_size)
         waiting = self.engine.stats().num_waiting
         if overloaded(waiting, self.max_waiting):
             return too_busy(waiting)
@@ -201,13 +203,20 @@ class NodeServer:
         p, c = len(out.prompt_token_ids), len(out.token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    def _logprobs(self, records: list | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+        if records is None:
+            return None
+        texts = self.engine.token_texts
+        return chat_logprobs(records, texts) if chat else completion_logprobs(records, texts, offset)
+
     def _full_response(self, out: RequestOutput, request_id: str, chat: bool) -> dict[str, Any]:
         extra = {"kv_transfer_params": out.kv_transfer_params.to_wire()} if out.kv_transfer_params else {}
+        logprobs = self._logprobs(out.logprobs, chat)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         return {
             "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -224,15 +233,15 @@ class NodeServer:
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": now(), "model": self.model_name}
 
-        def chunk(text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        def chunk(text: str, finish_reason: str | None, first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**base, "choices": [choice]}
 
-        last = None
+        last, reported, offset = None, 0, 0  # logprobs: records sent so far, and where the next text starts
         try:
             async with aclosing(outputs):
                 if chat:
@@ -240,7 +249,13 @@ class NodeServer:
                 async for out in outputs:
                     last = out
                     if out.text_delta or out.finished:
-                        yield sse(chunk(out.text_delta, out.finish_reason if out.finished else None))
+                        logprobs = None
+                        if out.logprobs is not None:  # every token since the last chunk, held-back text or not
+                            logprobs = self._logprobs(out.logprobs[reported:], chat, offset)
+                            reported = len(out.logprobs)
+                            offset += sum(map(len, logprobs.get("tokens", ())))  # completions' text_offset runs on
+                        yield sse(chunk(out.text_delta, out.finish_reason if out.finished else None,
+                                        logprobs=logprobs))
             if include_usage and last is not None:
                 yield sse({**base, "choices": [], "usage": self._usage(last)})
         except (EngineDeadError, ValueError) as exc:

@@ -110,6 +110,8 @@ class Flow(ABC):
         """P's one-token request; returns the kv_transfer_params P answered with (as sent)."""
         p_body = {k: v for k, v in req.body.items() if k not in _DECODE_ONLY_FIELDS}
         p_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params.to_wire())
+        if isinstance(p_body.get("min_tokens"), int) and p_body["min_tokens"] > 1:
+            p_body["min_tokens"] = 1  # P's one token obeys it; D enforces the rest
         node.begin(req.tokens)
         response = None
         try:
