@@ -30,14 +30,16 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens and stop strings do not end the output before this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # report each sampled token's logprob and this many most likely (engine/logprobs.py)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the prompt is computed in full, no cache)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidParameter("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InvalidParameter("max_tokens", f"max_tokens must be an integer >= 1 (0 only with prompt logprobs: "
+                                                 f"echo's scoring call), got {self.max_tokens!r}")
         if self.temperature < 0:
             raise InvalidParameter("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -56,8 +58,10 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidParameter("min_tokens", f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                                                  f"got {self.min_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise InvalidParameter("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+                raise InvalidParameter(name, f"{name} must be an integer in [0, 20], got {k!r}")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:

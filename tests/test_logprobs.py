@@ -86,3 +86,56 @@ def test_chat_logprobs_with_top_logprobs(node):
         refused = httpx.post(node.url + "/v1/chat/completions", timeout=30,
                              json={"model": MODEL, "messages": messages, "max_tokens": 4, **body})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
+@torch.inference_mode()
+def test_prompt_logprobs_are_transformers_in_chunks_and_past_the_prefix_cache(llm_fp32, hf_smollm):
+    """max_tokens 0 with prompt logprobs (echo's scoring call): nothing generated, each prompt
+    token's logprob and its top 3 as transformers gives them, the first token none; the same when
+    the prompt is computed in 8-token chunks, and when its blocks are already cached (a request
+    for prompt logprobs computes its whole prompt)."""
+    prompt = llm_fp32.tokenizer.encode("The quick brown fox jumps over the lazy dog because it was tired of running")
+    params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3)
+    out = llm_fp32.generate(prompt, params)[0]
+    assert out.token_ids == [] and out.finish_reason == "length" and out.prompt_logprobs[0] is None
+    reference = torch.log_softmax(hf_smollm(input_ids=torch.tensor([prompt])).logits[0], -1)
+    assert len(out.prompt_logprobs) == len(prompt)
+    for i, record in enumerate(out.prompt_logprobs[1:], start=1):
+        assert record.token_id == prompt[i]
+        assert record.logprob == pytest.approx(float(reference[i - 1, prompt[i]]), abs=2e-3)
+        assert [t for t, _ in record.top] == reference[i - 1].topk(3).indices.tolist()
+        assert record.rank == int((reference[i - 1] > reference[i - 1, prompt[i]]).sum()) + 1
+    scheduler = llm_fp32.engine.scheduler
+    budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, 8
+    try:
+        chunked = llm_fp32.generate(prompt, params)[0].prompt_logprobs  # its blocks are cached by now, too
+    finally:
+        scheduler.max_num_batched_tokens = budget
+    assert [r and r.token_id for r in chunked] == [r and r.token_id for r in out.prompt_logprobs]
+    assert [r and r.logprob for r in chunked[1:]] == pytest.approx([r.logprob for r in out.prompt_logprobs[1:]], abs=1e-4)
+
+
+def test_echo_and_prompt_logprobs_on_a_node(node, llm_fp32):
+    """lm-evaluation-harness's loglikelihood call (token ids, echo, logprobs 1, max_tokens 1):
+    the prompt's logprobs, then the generated token's; the scoring call with max_tokens 0; vLLM's
+    prompt_logprobs field; echo streamed as the first chunk."""
+    prompt = llm_fp32.tokenizer.encode("Question: What color is the sky? Answer: blue")
+    expected = llm_fp32.generate(prompt, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1))[0]
+    ask = {"model": MODEL, "prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    scored = httpx.post(node.url + "/v1/completions", json=ask, timeout=60).json()["choices"][0]
+    lp = scored["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:-1] == pytest.approx([r.logprob for r in expected.prompt_logprobs[1:]], abs=1e-4)
+    assert scored["text"].startswith("".join(lp["tokens"][:len(prompt)]))
+    zero = httpx.post(node.url + "/v1/completions", json={**ask, "prompt": "Hello there", "max_tokens": 0},
+                      timeout=60).json()
+    assert zero["choices"][0]["text"] == "Hello there" and zero["choices"][0]["finish_reason"] == "length"
+    assert zero["usage"]["completion_tokens"] == 0 and len(zero["choices"][0]["logprobs"]["tokens"]) == zero["usage"]["prompt_tokens"]
+    vllm = httpx.post(node.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hello there",
+                                                                      "max_tokens": 2, "prompt_logprobs": 2}).json()
+    field = vllm["choices"][0]["prompt_logprobs"]
+    assert field[0] is None and all(1 <= len(pos) <= 3 and all(v["rank"] >= 1 for v in pos.values()) for pos in field[1:])
+    with httpx.stream("POST", node.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "echo": True, "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+    assert '"text": "Hello there"' in first or '"text":"Hello there"' in first

@@ -277,7 +277,7 @@ def test_auto_sends_each_turn_where_its_history_is_cached():
     the turn before last; auto (the proxy's own Placer) keeps the conversation on one node."""
     rr = run("colocated:2", conversation(4))
     auto = run("auto:2", conversation(4))
-    assert auto["placements"] == {"local": 4, "remote": 0}
+    assert auto["placement_counts"] == {"local": 4, "remote": 0}
     # turn k+1 computes the new 8 tokens plus the answer's tail past the last full block
     new = [40, 52 - 32, 64 - 48, 76 - 64]
     assert auto["ttfts"] == pytest.approx([(10 + n) / 1e3 for n in new])
@@ -289,4 +289,4 @@ def test_auto_prefills_a_long_prompt_on_p_when_d_is_decoding():
     would stall that stream for two seconds, so the Placer sends it to P and D pulls the KV."""
     requests = [BenchRequest(list(range(1000, 1100)), 100, 400), BenchRequest(list(range(2000, 4000)), 2000, 4)]
     summary = run("auto:1P1D", requests, rate=2.0)
-    assert summary["placements"] == {"local": 1, "remote": 1} and summary["completed"] == 2
+    assert summary["placement_counts"] == {"local": 1, "remote": 1} and summary["completed"] == 2

@@ -51,7 +51,7 @@ def test_out_of_range_controls_name_their_field(bad, param):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("prompt_logprobs", 1), ("best_of", 3), ("suffix", "end"),
+    ("best_of", 3), ("suffix", "end"),
     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
 ])
 def test_a_known_field_pdserve_does_not_serve_is_refused_by_name(field, value):
@@ -64,6 +64,8 @@ def test_fields_that_ask_for_nothing_pass_and_unknown_ones_are_logged_once(caplo
     for unset in ({"logprobs": False}, {"echo": False}, {"best_of": 1}, {"response_format": {"type": "text"}},
                   {"tool_choice": "none"}, {"tools": []}):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **unset).to_sampling_params(4)
+    with pytest.raises(InvalidParameter, match="echo on chat"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], echo=True).to_sampling_params(4)
     with pytest.raises(InvalidParameter, match="tools"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
                               tools=[{"type": "function", "function": {"name": "f"}}]).to_sampling_params(4)
@@ -131,7 +133,7 @@ def test_a_node_serves_the_controls_and_refuses_what_it_cannot(tmp_path):
         penalized = httpx.post(node.url + "/v1/completions", timeout=60,
                                json={**ask, "repetition_penalty": 1.5, "frequency_penalty": 1.0})
         assert penalized.status_code == 200 and penalized.json()["choices"][0]["text"] != plain
-        for body, param in (({**ask, "echo": True}, "echo"), ({**ask, "logit_bias": {"999999": 1}}, "logit_bias"),
+        for body, param in (({**ask, "best_of": 2}, "best_of"), ({**ask, "logit_bias": {"999999": 1}}, "logit_bias"),
                             ({**ask, "min_tokens": 20}, "min_tokens")):
             refused = httpx.post(node.url + "/v1/completions", json=body, timeout=60)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

@@ -23,7 +23,6 @@ def _set(value: Any) -> bool:
 # one gets a 400 naming it, not an answer that silently differs from what it asked. Each test says
 # whether a value asks for the feature (null, false, "none", n=1... ask for nothing).
 NOT_SERVED: dict[str, Callable[[Any], bool]] = {
-    "prompt_logprobs": _set, "echo": _set,
     "best_of": lambda v: _set(v) and v != 1, "use_beam_search": _set, "suffix": lambda v: _set(v) and v != "",
     "response_format": lambda v: _set(v) and not (isinstance(v, dict) and v.get("type") == "text"),
     "tools": _set, "tool_choice": lambda v: _set(v) and v != "none", "functions": _set,
@@ -73,6 +72,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # PD disaggregation (proxy <-> nodes)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many most likely
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -80,6 +80,9 @@ class _SamplingFields(BaseModel):
     def requested_logprobs(self) -> int | None:
         """How many alternatives to report per token (0: the sampled one only); None: no logprobs."""
         return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def to_sampling_params(self, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
         if self.n != 1:
@@ -125,15 +128,22 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             logit_bias=self._logit_bias(),
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
         )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # OpenAI's legacy format: this many alternatives per token
+    echo: bool = False  # the prompt before the answer (and, with logprobs, its tokens' logprobs)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None  # echo's logprobs cover the prompt too
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -167,6 +177,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False  # vLLM's chat extension (the last message's text before the answer): not served yet
+
+    def refuse_unserved(self) -> None:
+        if self.echo:
+            raise InvalidParameter("echo", "echo on chat completions is not supported by this server yet")
+        super().refuse_unserved()
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

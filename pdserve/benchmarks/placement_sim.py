@@ -77,7 +77,7 @@ def run(profile: Profile, nodes: int, slos: dict, study: dict, seconds: float) -
                                    placement=rule or "cost")
                 points[name].append({k: summary.get(k) for k in (
                     "completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                    "slo_attainment", "request_goodput", "placements", "preemptions")}
+                    "slo_attainment", "request_goodput", "placement_counts", "preemptions")}
                     | {"request_rate": rate, "simulated_s": time.perf_counter() - started})
                 p = points[name][-1]
                 print(f"[{nodes} nodes] {key} {name} {rate:g}/s: attainment {p['slo_attainment'] * 100:.0f} %, "

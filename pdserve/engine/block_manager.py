@@ -43,8 +43,9 @@ class BlockManager:
             req.block_hashes = block_hashes(req.token_ids[:num_tokens], self.block_size, req.block_hashes)
 
     def match_prefix(self, req: Request) -> list[int]:
-        """Cached blocks holding a prefix of req; at least one token is always left to compute."""
-        if not self.enable_prefix_caching:
+        """Cached blocks holding a prefix of req; at least one token is always left to compute.
+        None for a request that asks for its prompt's logprobs: every prompt token is computed."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req, req.num_tokens - 1)
         hits = []

@@ -19,6 +19,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the k most likely tokens and their logprobs, most likely first
+    rank: int = 1  # 1 + how many tokens were more likely (vLLM's prompt_logprobs report it)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
@@ -26,9 +27,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     k_max = max(ks)
     top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
     out = []
     for i, (token, k) in enumerate(zip(tokens, ks)):
         top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else ()
-        out.append(TokenLogprob(token, chosen[i], top))
+        out.append(TokenLogprob(token, chosen[i], top, ranks[i]))
     return out

@@ -32,13 +32,15 @@ class ModelRunner:
         batch = sorted(out.scheduled, key=lambda s: (not is_decode(s), s.request.num_computed_tokens))
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
-        samplers = [s for s in batch if s.samples]
+        self._prompt_logprobs(batch, hidden)
+        # A request for no tokens (echo's scoring call: max_tokens 0) computes its prompt, samples nothing.
+        samplers = [s for s in batch if s.samples and s.request.params.max_tokens > 0]
         if not samplers:
             return {}
         last_index, offset = [], 0
         for s in batch:
             offset += s.num_new_tokens
-            if s.samples:
+            if s.samples and s.request.params.max_tokens > 0:
                 last_index.append(offset - 1)
         # Decodes always sample, so they are the first rows of the logits too.
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)], meta.num_decodes)
@@ -52,6 +54,25 @@ class ModelRunner:
             for i, report in zip(reporting, reports):
                 samplers[i].request.logprobs.append(report)  # the scheduler appends its token next
         return {s.request.request_id: t for s, t in zip(samplers, tokens)}
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """For requests that ask (params.prompt_logprobs): the logprob of each prompt token this
+        step's chunk predicts (row j of a chunk starting at position p predicts the token at p+j+1;
+        the first prompt token has none). A preempted request computing its prompt again starts over."""
+        offset = 0
+        for s in batch:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            k = req.params.prompt_logprobs
+            last = min(start + n, req.num_prompt_tokens - 1)  # the last prompt position this chunk predicts
+            if k is not None and start < req.num_prompt_tokens:
+                if start == 0:
+                    req.prompt_logprobs = [None]
+                if last > start:
+                    rows = torch.arange(offset, offset + last - start, device=self.device)
+                    logits = self.model.compute_logits(hidden[rows])
+                    req.prompt_logprobs.extend(token_logprobs(logits, req.token_ids[start + 1 : last + 1],
+                                                              [k] * (last - start)))
+            offset += n
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs, dev = self.block_size, self.device

@@ -90,6 +90,7 @@ class Request:
         self.kv_external_tokens = 0  # D: tokens being loaded from P right now
         self.error: str | None = None  # why the request failed, when it did
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks
+        self.prompt_logprobs: list[TokenLogprob | None] = []  # of each prompt token (the first: None), when asked
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -143,6 +144,7 @@ class RequestOutput:
     kv_transfer_params: KVTransferParams | None = None  # P: where D can pull this request's KV
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # of every output token so far, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of every prompt token (the first: None), when asked for
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> "RequestOutput":
@@ -160,4 +162,5 @@ class RequestOutput:
             kv_transfer_params=req.kv_transfer_params_out,
             error=req.error,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )

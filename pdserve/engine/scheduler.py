@@ -199,6 +199,10 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req)
             token = sampled.get(req.request_id)
             if token is None:
+                if req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+                    req.status = RequestStatus.FINISHED_LENGTH  # echo's scoring call: the prompt was all it asked
+                    self._finish(req)
+                    outputs.append(RequestOutput.of(req, []))
                 continue  # a prefill chunk that does not reach the end of the prompt yet
             req.append_token(token, now)
             if req.status.finished:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -29,7 +30,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.engine.threaded_client import ThreadedEngineClient
 from pdserve.kv.params import parse as parse_kv_transfer_params
-from pdserve.node.logprobs import chat_logprobs, completion_logprobs
+from pdserve.node.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from pdserve.node.metrics import NodeMetrics
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
@@ -122,9 +123,13 @@ class NodeServer:
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
             self._check_model(body.model)
-            prompt_ids = self.engine.tokenize(body.single_prompt())
+            prompt = body.single_prompt()
+            prompt_ids = self.engine.tokenize(prompt)
             params = body.to_sampling_params(self._max_tokens(body, len(prompt_ids), "max_tokens"))
-            return await self._serve(raw, body, new_id("cmpl"), prompt_ids, params, chat=False)
+            echo = None
+            if body.echo:  # the prompt as sent (token ids: their texts)
+                echo = prompt if isinstance(prompt, str) else "".join(self.engine.token_texts(prompt_ids))
+            return await self._serve(raw, body, new_id("cmpl"), prompt_ids, params, chat=False, echo=echo)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -157,13 +162,19 @@ class NodeServer:
             )
         return requested
 
-    async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool):
+    async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     chat: bool, echo: str | None = None):
         params.check_vocab(self.engine.info.vocab_size)
         waiting = self.engine.stats().num_waiting
         if overloaded(waiting, self.max_waiting):
             return too_busy(waiting)
         kv_params = parse_kv_transfer_params(body.kv_transfer_params)
         self.engine.check_kv_transfer_params(kv_params, len(prompt_ids))  # 400 now, not on the engine thread
+        if params.prompt_logprobs is not None and kv_params is not None:
+            raise InvalidParameter("echo" if echo is not None else "prompt_logprobs",
+                                   "prompt logprobs are not served through prefill/decode disaggregation yet: "
+                                   "ask a colocated node")
+        answer = AnswerShape(chat, echo, body.prompt_logprobs is not None)
         outputs = self.engine.generate(request_id, prompt_ids, params, kv_params)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP
         # error, and the stage timings can go into the response headers.
@@ -181,14 +192,14 @@ class NodeServer:
         outputs = _prepend(first, outputs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._stream(outputs, request_id, chat, include_usage)
+            chunks = self._stream(outputs, request_id, answer, include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         final = first if first.finished else await self._next_or_disconnect(raw, _last(outputs))
         if final is None:
             return Response(status_code=499)
         if final.error is not None:
             raise APIError(502, final.error, type_="kv_transfer_error")
-        return JSONResponse(self._full_response(final, request_id, chat), headers=headers)
+        return JSONResponse(self._full_response(final, request_id, answer), headers=headers)
 
     @staticmethod
     async def _next_or_disconnect(raw: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
@@ -203,23 +214,31 @@ class NodeServer:
         p, c = len(out.prompt_token_ids), len(out.token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def _logprobs(self, records: list | None, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, records: list | None, chat: bool, offset: int = 0,
+                  echoed: RequestOutput | None = None) -> dict[str, Any] | None:
+        """OpenAI's logprobs of `records`; `echoed`: completions' echo, the prompt's tokens first."""
         if records is None:
             return None
         texts = self.engine.token_texts
-        return chat_logprobs(records, texts) if chat else completion_logprobs(records, texts, offset)
-
-    def _full_response(self, out: RequestOutput, request_id: str, chat: bool) -> dict[str, Any]:
-        extra = {"kv_transfer_params": out.kv_transfer_params.to_wire()} if out.kv_transfer_params else {}
-        logprobs = self._logprobs(out.logprobs, chat)
         if chat:
+            return chat_logprobs(records, texts)
+        prompt = (echoed.prompt_token_ids, echoed.prompt_logprobs) if echoed is not None else None
+        return completion_logprobs(records, texts, offset, prompt)
+
+    def _full_response(self, out: RequestOutput, request_id: str, answer: AnswerShape) -> dict[str, Any]:
+        extra = {"kv_transfer_params": out.kv_transfer_params.to_wire()} if out.kv_transfer_params else {}
+        logprobs = self._logprobs(out.logprobs, answer.chat, echoed=out if answer.echo is not None else None)
+        if answer.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            choice = {"index": 0, "text": (answer.echo or "") + out.text, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+        if answer.vllm_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.engine.token_texts)
         return {
             "id": request_id,
-            "object": "chat.completion" if chat else "text_completion",
+            "object": "chat.completion" if answer.chat else "text_completion",
             "created": now(),
             "model": self.model_name,
             "choices": [choice],
@@ -228,8 +247,9 @@ class NodeServer:
         }
 
     async def _stream(
-        self, outputs: AsyncIterator[RequestOutput], request_id: str, chat: bool, include_usage: bool
+        self, outputs: AsyncIterator[RequestOutput], request_id: str, answer: AnswerShape, include_usage: bool
     ) -> AsyncIterator[str]:
+        chat = answer.chat
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": now(), "model": self.model_name}
 
@@ -247,6 +267,15 @@ class NodeServer:
                 if chat:
                     yield sse(chunk("", None, first=True))
                 async for out in outputs:
+                    if last is None and (answer.echo is not None or answer.vllm_prompt_logprobs):
+                        opening = chunk(answer.echo or "", None)  # the prompt, once, before the answer
+                        if answer.echo is not None and out.logprobs is not None:
+                            opening["choices"][0]["logprobs"] = echoed = self._logprobs([], False, echoed=out)
+                            offset = sum(map(len, echoed["tokens"]))
+                        if answer.vllm_prompt_logprobs:
+                            opening["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs,
+                                                                                            self.engine.token_texts)
+                        yield sse(opening)
                     last = out
                     if out.text_delta or out.finished:
                         logprobs = None
@@ -261,6 +290,16 @@ class NodeServer:
         except (EngineDeadError, ValueError) as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
         yield sse("[DONE]")
+
+
+@dataclass(frozen=True)
+class AnswerShape:
+    """What the answer's body holds besides the text: chat or completions; echo's prompt text;
+    vLLM's prompt_logprobs field."""
+
+    chat: bool
+    echo: str | None = None
+    vllm_prompt_logprobs: bool = False
 
 
 def build_node_server(engine: LLMEngine, served_model_name: str, api_key: str | None = None,

@@ -772,5 +772,5 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
                     "prefix_caching": caching,
                     "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders)})
     if setup.mode == "auto":
-        summary.update({"placement": placement, "placements": dict(proxy.placements)})
+        summary.update({"placement": placement, "placement_counts": dict(proxy.placements)})
     return summary
