@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -65,8 +66,37 @@ def test_sampling_controls_and_logprobs_through_push_and_pull_equal_colocated(cl
         choice = got.json()["choices"][0]
         assert choice["text"] == expected["text"] and choice["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
-        refused = httpx.post(cluster[mode].url + "/v1/completions", json={**ask, "echo": True}, timeout=60)
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo", (mode, refused.text)
+        refused = httpx.post(cluster[mode].url + "/v1/completions", json={**ask, "best_of": 2}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of", (mode, refused.text)
+
+
+def test_echo_and_prompt_logprobs_come_from_p_through_push_and_pull(cluster):
+    """lm-evaluation-harness's scoring call through the proxy: P computes the prompt and reports its
+    logprobs, D the answer; the proxy puts P's part first. Equal to the colocated node's, whole and
+    streamed; vLLM's prompt_logprobs field too."""
+    score = {"model": MODEL, "prompt": "The cat sat on the mat because it was", "echo": True, "logprobs": 2,
+             "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1}
+    expected = httpx.post(cluster["both"].url + "/v1/completions", json=score, timeout=120).json()["choices"][0]
+    n = len(expected["prompt_logprobs"])
+    for mode in ("push", "pull"):
+        got = httpx.post(cluster[mode].url + "/v1/completions", json=score, timeout=120)
+        assert got.status_code == 200, (mode, got.text)
+        choice = got.json()["choices"][0]
+        assert choice["text"] == expected["text"] and choice["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+        assert choice["logprobs"]["text_offset"] == expected["logprobs"]["text_offset"]
+        assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["tokens"]) == n + 3
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(expected["logprobs"]["token_logprobs"][1:], abs=1e-4)
+        assert [p and sorted(p) for p in choice["prompt_logprobs"]] == [p and sorted(p) for p in expected["prompt_logprobs"]]
+        tokens, offsets, text = [], [], ""
+        with httpx.stream("POST", cluster[mode].url + "/v1/completions", json={**score, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    text += c["text"]
+                    tokens += (c["logprobs"] or {}).get("tokens", [])
+                    offsets += (c["logprobs"] or {}).get("text_offset", [])
+        assert text == expected["text"] and tokens == expected["logprobs"]["tokens"], mode
+        assert offsets == expected["logprobs"]["text_offset"], mode
 
 
 def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):

@@ -30,6 +30,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
 from pdserve.engine.threaded_client import ThreadedEngineClient
 from pdserve.kv.params import parse as parse_kv_transfer_params
+from pdserve.kv.params import wants_remote_prefill
 from pdserve.node.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from pdserve.node.metrics import NodeMetrics
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -170,10 +171,10 @@ class NodeServer:
             return too_busy(waiting)
         kv_params = parse_kv_transfer_params(body.kv_transfer_params)
         self.engine.check_kv_transfer_params(kv_params, len(prompt_ids))  # 400 now, not on the engine thread
-        if params.prompt_logprobs is not None and kv_params is not None:
+        if params.prompt_logprobs is not None and wants_remote_prefill(kv_params):
             raise InvalidParameter("echo" if echo is not None else "prompt_logprobs",
-                                   "prompt logprobs are not served through prefill/decode disaggregation yet: "
-                                   "ask a colocated node")
+                                   "this decode node does not compute the prompt: its prefill node reports the "
+                                   "prompt's logprobs (send the request through the proxy)")
         answer = AnswerShape(chat, echo, body.prompt_logprobs is not None)
         outputs = self.engine.generate(request_id, prompt_ids, params, kv_params)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP

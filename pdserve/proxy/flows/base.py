@@ -22,6 +22,7 @@ from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.params import KVTransferParams
 from pdserve.proxy.client import NodeClient, NodeError, discard, header_seconds, unreachable, upstream_error
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.echo import PromptPart, for_decode, for_prefill, reports_prompt
 from pdserve.proxy.membership import Membership
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
@@ -44,6 +45,7 @@ class ClientRequest:
     tokens: int  # load estimate, for the policies
     timing: RequestTiming
     parsed: CompletionRequest | ChatCompletionRequest | None = None  # the body as validated (auto mode tokenizes it)
+    prompt_part: PromptPart | None = None  # echo / prompt logprobs from P, put before D's answer (proxy/echo.py)
 
 
 class Flow(ABC):
@@ -108,7 +110,7 @@ class Flow(ABC):
 
     async def prefill(self, node: Node, req: ClientRequest, kv_params: KVTransferParams) -> dict[str, Any] | None:
         """P's one-token request; returns the kv_transfer_params P answered with (as sent)."""
-        p_body = {k: v for k, v in req.body.items() if k not in _DECODE_ONLY_FIELDS}
+        p_body = {k: v for k, v in for_prefill(req.body).items() if k not in _DECODE_ONLY_FIELDS}
         p_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params.to_wire())
         if isinstance(p_body.get("min_tokens"), int) and p_body["min_tokens"] > 1:
             p_body["min_tokens"] = 1  # P's one token obeys it; D enforces the rest
@@ -124,7 +126,10 @@ class Flow(ABC):
         timing.prefill_s = max(timing.prefill_done - timing.arrival - timing.node_queue_s, 0.0)
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
-        return response.json().get("kv_transfer_params")
+        answer = response.json()
+        if reports_prompt(req.body):  # only P computed the prompt: its part of the answer comes from here
+            req.prompt_part = PromptPart.of(req.body, answer)
+        return answer.get("kv_transfer_params")
 
     async def prefill_for_pull(self, node: Node, req: ClientRequest) -> dict:
         """P prefills and holds the KV for a decode node to pull; the kv_transfer_params for D."""
@@ -138,6 +143,8 @@ class Flow(ABC):
 
     def ask(self, node: Node, req: ClientRequest, body: dict[str, Any]) -> asyncio.Future[httpx.Response]:
         """Send the answer-producing request (to D, or a colocated node); `answer` relays it."""
+        if "kv_transfer_params" in body and reports_prompt(body):
+            body = for_decode(body)  # D computes no prompt: P reports it
         node.begin(req.tokens)
         return self.client.start(node, req.path, body)
 
@@ -165,6 +172,8 @@ class Flow(ABC):
             node.end(req.tokens)
             req.timing.done = time.perf_counter()
             self.metrics.observe(req.timing)
+            if req.prompt_part is not None:
+                content = json.dumps(req.prompt_part.into_answer(json.loads(content))).encode()
             return Response(content, media_type="application/json", headers=req.timing.stage_headers())
         return StreamingResponse(self._relay(response, node, req), media_type="text/event-stream",
                                  headers=req.timing.stage_headers())
@@ -180,7 +189,10 @@ class Flow(ABC):
         ok, tail, timing = True, b"", req.timing
         try:
             try:
-                async for chunk in response.aiter_raw():
+                chunks = response.aiter_raw()
+                if req.prompt_part is not None:
+                    chunks = req.prompt_part.into_stream(chunks)
+                async for chunk in chunks:
                     if timing.first_byte is None:
                         timing.first_byte = time.perf_counter()
                     tail = (tail + chunk)[-2:]
