@@ -73,7 +73,7 @@ def test_sampling_controls_and_logprobs_through_push_and_pull_equal_colocated(cl
 def test_echo_and_prompt_logprobs_come_from_p_through_push_and_pull(cluster):
     """lm-evaluation-harness's scoring call through the proxy: P computes the prompt and reports its
     logprobs, D the answer; the proxy puts P's part first. Equal to the colocated node's, whole and
-    streamed; vLLM's prompt_logprobs field too."""
+    streamed; vLLM's prompt_logprobs field too. With max_tokens 0, P alone answers."""
     score = {"model": MODEL, "prompt": "The cat sat on the mat because it was", "echo": True, "logprobs": 2,
              "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1}
     expected = httpx.post(cluster["both"].url + "/v1/completions", json=score, timeout=120).json()["choices"][0]
@@ -97,6 +97,12 @@ def test_echo_and_prompt_logprobs_come_from_p_through_push_and_pull(cluster):
                     offsets += (c["logprobs"] or {}).get("text_offset", [])
         assert text == expected["text"] and tokens == expected["logprobs"]["tokens"], mode
         assert offsets == expected["logprobs"]["text_offset"], mode
+        zero = httpx.post(cluster[mode].url + "/v1/completions", json={**score, "max_tokens": 0}, timeout=120)
+        assert zero.status_code == 200, (mode, zero.text)
+        zero = zero.json()["choices"][0]
+        assert zero["text"] == score["prompt"] and zero["finish_reason"] == "length"
+        assert zero["logprobs"]["tokens"] == expected["logprobs"]["tokens"][:n]
+    assert wait_for_metric(cluster["p"].url, "pdserve:kv_blocks_held", 0, timeout=10) == 0  # nothing left held
 
 
 def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):

@@ -25,6 +25,7 @@ from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.proxy.client import NodeClient, NodeError
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows import ClientRequest, flow_class
 from pdserve.proxy.health import HealthPoller
 from pdserve.proxy.membership import DuplicateNode, Membership, NodesFile
@@ -214,9 +215,10 @@ class Proxy:
         if "kv_transfer_params" in body:
             return error_response(400, "kv_transfer_params is set by the proxy, not by clients", "kv_transfer_params")
         for name in ("max_tokens", "max_completion_tokens"):  # caught here, before P holds any KV
-            value = body.get(name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                return error_response(400, f"{name} must be an integer >= 1, got {value!r}", name)
+            value, least = body.get(name), 0 if prompt_only(body) else 1  # 0: the scoring call (proxy/echo.py)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                return error_response(400, f"{name} must be an integer >= 1 (0 only with echo or prompt_logprobs), "
+                                           f"got {value!r}", name)
         req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival), parsed)
         return await self.flow.serve(req)
 

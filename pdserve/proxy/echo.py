@@ -20,6 +20,12 @@ def reports_prompt(body: dict[str, Any]) -> bool:
     return bool(body.get("echo")) or body.get("prompt_logprobs") is not None
 
 
+def prompt_only(body: dict[str, Any]) -> bool:
+    """The scoring call (echo or prompt logprobs, max_tokens 0): one node computes and reports the
+    prompt, nothing is decoded, so no KV moves."""
+    return reports_prompt(body) and 0 in (body.get("max_tokens"), body.get("max_completion_tokens"))
+
+
 def for_prefill(body: dict[str, Any]) -> dict[str, Any]:
     """P's body: echo asks for its tokens' logprobs too (their texts make a token-id prompt's echo)."""
     if body.get("echo") and body.get("logprobs") is None:

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 
 from pdserve.proxy.client import NodeError
 from pdserve.proxy.costs import CostModel
+from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows.base import ClientRequest, Flow
 from pdserve.proxy.placement import Placer
 from pdserve.proxy.prompts import PromptTokens
@@ -61,6 +62,8 @@ class AutoFlow(Flow):
             decoder, prefiller = placement.decoder, placement.prefiller
             try:
                 body = req.body
+                if prefiller is not None and prompt_only(req.body):
+                    decoder, prefiller = prefiller, None  # the scoring call: P computes and reports it, alone
                 if prefiller is not None:
                     body = {**req.body, "kv_transfer_params": await self.prefill_for_pull(prefiller, req)}
                 response = await self.answer(decoder, self.ask(decoder, req, body), req)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi.responses import Response
 
+from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows.base import ClientRequest, Flow
 
 
@@ -18,6 +19,8 @@ class PullFlow(Flow):
     name = "pull"
 
     async def serve(self, req: ClientRequest) -> Response:
+        if prompt_only(req.body):  # the scoring call: P computes and reports the prompt, nothing to move
+            return await self.on_some_node("prefill", req, lambda p: self.answer(p, self.ask(p, req, req.body), req))
         kv_params = await self.on_some_node("prefill", req, lambda p: self.prefill_for_pull(p, req))
         # Another D may pull the same KV (P holds it until pulled or timed out), or recompute.
         d_body = {**req.body, "kv_transfer_params": kv_params}

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from pdserve.kv.params import KVTransferParams
 from pdserve.proxy.client import NodeError, header_seconds, upstream_error
+from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows.base import ClientRequest, Flow
 from pdserve.proxy.policies import Node, select_prefiller
 from pdserve.proxy.timing import RequestTiming
@@ -32,6 +33,8 @@ class PushFlow(Flow):
         self._announcements: dict[str, asyncio.Future[KVTransferParams]] = {}  # proxy request id -> D's blocks
 
     async def serve(self, req: ClientRequest) -> Response:
+        if prompt_only(req.body):  # the scoring call: P computes and reports the prompt, nothing to push
+            return await self.on_some_node("prefill", req, lambda p: self.answer(p, self.ask(p, req, req.body), req))
         # Another D means the whole flow again: the new D reserves its own blocks, P pushes into those.
         return await self.on_some_node("decode", req, lambda d: self._push_once(d, req))
 
