@@ -20,8 +20,10 @@ def cluster(tmp_path_factory):
         procs.start(["serve", "--role", "both", *NODE], "both")
         # Chunked prefill on P (256-token steps): a long prompt is pushed across several steps.
         p = procs.start(["serve", "--role", "prefill", "--max-num-batched-tokens", "256", *NODE], "p")
-        decoders = [procs.start(["serve", "--role", "decode", "--kv-transport", transport, *NODE], f"d_{transport}").url
-                    for transport in ("shm", "tcp")]
+        # D waits up to 120 s for a push (30 by default): on a slow, loaded CI machine P's queue of
+        # nine prompts, one of 2000+ tokens in 256-token chunks, can take longer than 30 s.
+        decoders = [procs.start(["serve", "--role", "decode", "--kv-transport", transport, "--kv-wait-timeout", "120",
+                                 *NODE], f"d_{transport}").url for transport in ("shm", "tcp")]
         procs.start(["proxy", "--mode", "push", "--prefill", p.url, "--decode", *decoders], "push")
         procs.start(["proxy", "--mode", "pull", "--prefill", p.url, "--decode", *decoders], "pull")
         yield procs
