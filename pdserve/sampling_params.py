@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (vLLM's default max_logprobs)
+
 
 class InvalidParameter(ValueError):
     """A ValueError that names the offending request parameter (for HTTP 400 bodies)."""
@@ -60,8 +62,8 @@ class SamplingParams:
                                                  f"got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
-                raise InvalidParameter(name, f"{name} must be an integer in [0, 20], got {k!r}")
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidParameter(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:

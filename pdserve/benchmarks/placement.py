@@ -101,27 +101,31 @@ def remote_share(results) -> float | None:
     return sum(r.placement == "remote" for r in placed) / len(placed) if placed else None
 
 
+def goodput_over_best_static(setups: dict, key: str) -> list[float | None]:
+    """`key`'s mixed goodput per rate over the better of the static setups at that rate."""
+    ratios = []
+    for i, point in enumerate(setups[key]["points"]["mixed"]):
+        best = max(setups[k]["points"]["mixed"][i]["request_goodput"] for k in STATIC)
+        ratios.append(point["request_goodput"] / best if best else None)
+    return ratios
+
+
+def median_ttft_over_round_robin(setups: dict, key: str, workload: str = "multiturn") -> list[float | None]:
+    """`key`'s median TTFT per rate over round robin's (colo) at that rate."""
+    base = [p["median_ttft_ms"] for p in setups["colo"]["points"][workload]]
+    return [p["median_ttft_ms"] / b if b else None for p, b in zip(setups[key]["points"][workload], base)]
+
+
 def targets(res: dict) -> dict:
     setups, out = res["setups"], {}
-
-    def over_best_static(key: str) -> list[float | None]:
-        """`key`'s mixed goodput per rate over the better of the static setups at that rate."""
-        ratios = []
-        for i, point in enumerate(setups[key]["points"]["mixed"]):
-            best = max(setups[k]["points"]["mixed"][i]["request_goodput"] for k in STATIC)
-            ratios.append(point["request_goodput"] / best if best else None)
-        return ratios
-
     if all(k in setups for k in STATIC):
         for key in ("auto", "auto2"):
             if key in setups:
-                out[f"mixed_{key}_over_best_static"] = over_best_static(key)
+                out[f"mixed_{key}_over_best_static"] = goodput_over_best_static(setups, key)
     if "colo" in setups:
-        base = [p["median_ttft_ms"] for p in setups["colo"]["points"]["multiturn"]]
         for k in ("auto", "auto2", "threshold", "scorers"):
             if k in setups:
-                out[f"multiturn_{k}_median_ttft_over_round_robin"] = [
-                    p["median_ttft_ms"] / b if b else None for p, b in zip(setups[k]["points"]["multiturn"], base)]
+                out[f"multiturn_{k}_median_ttft_over_round_robin"] = median_ttft_over_round_robin(setups, k)
     p99s = [p["placement_p99_ms"] for s in setups.values() for d in s["points"].values() for p in d
             if p.get("placement_p99_ms") is not None]
     out["placement_p99_ms_worst"] = max(p99s) if p99s else None

@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.benchmarks.placement import STATIC
+from pdserve.benchmarks.placement import goodput_over_best_static, median_ttft_over_round_robin
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import rate_workload
 from pdserve.plan.profile import Profile
@@ -89,20 +89,12 @@ def run(profile: Profile, nodes: int, slos: dict, study: dict, seconds: float) -
 
 def targets(setups: dict) -> dict:
     """The study's targets, read on the simulated runs at one node count."""
-    out: dict = {}
-    for key in ("auto", "auto2"):
-        ratios = []
-        for i, point in enumerate(setups[key]["points"]["mixed"]):
-            best = max(setups[k]["points"]["mixed"][i]["request_goodput"] for k in STATIC)
-            ratios.append(point["request_goodput"] / best if best else None)
-        out[f"mixed_{key}_over_best_static"] = ratios
+    out: dict = {f"mixed_{key}_over_best_static": goodput_over_best_static(setups, key) for key in ("auto", "auto2")}
     for name in WORKLOADS:
         if WORKLOADS[name] is None:
             continue
-        base = [p["median_ttft_ms"] for p in setups["colo"]["points"][name]]
         for key in ("auto", "auto2", "threshold", "scorers"):
-            out[f"{name}_{key}_median_ttft_over_round_robin"] = [
-                p["median_ttft_ms"] / b if b else None for p, b in zip(setups[key]["points"][name], base)]
+            out[f"{name}_{key}_median_ttft_over_round_robin"] = median_ttft_over_round_robin(setups, key, name)
     return out
 
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20  # the most alternatives a request may ask for (vLLM's default max_logprobs)
-
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -33,15 +33,15 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
         self._prompt_logprobs(batch, hidden)
-        # A request for no tokens (echo's scoring call: max_tokens 0) computes its prompt, samples nothing.
-        samplers = [s for s in batch if s.samples and s.request.params.max_tokens > 0]
-        if not samplers:
-            return {}
-        last_index, offset = [], 0
+        samplers, last_index, offset = [], [], 0
         for s in batch:
             offset += s.num_new_tokens
+            # A request for no tokens (echo's scoring call: max_tokens 0) computes its prompt, samples nothing.
             if s.samples and s.request.params.max_tokens > 0:
+                samplers.append(s)
                 last_index.append(offset - 1)
+        if not samplers:
+            return {}
         # Decodes always sample, so they are the first rows of the logits too.
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)], meta.num_decodes)
         reporting = [i for i, s in enumerate(samplers) if s.request.params.logprobs is not None]

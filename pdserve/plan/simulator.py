@@ -412,7 +412,7 @@ class SimNode:
             return decodes, chunks, True
         while self.waiting and budget > 0 and len(self.running) < limits.max_seqs:
             job = self.waiting[0]
-            prefix = self.cached_prefix(job) if self.cache is not None else []
+            prefix = self.cached_prefix(job)
             start = max(job.context, len(prefix) * size)  # tokens it has: sent by P, or cached here
             remaining = job.num_tokens - start
             if not limits.chunked and remaining > budget:
