@@ -29,7 +29,8 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run prompts (text or token ids) to completion, in order; every one is validated first."""
+        """Run prompts (text or token ids) to completion, in order; every one is validated first.
+        A prompt whose params ask for n > 1 sequences has its n outputs in its place, by index."""
         batch = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if params is None:
             params = SamplingParams()
@@ -39,15 +40,16 @@ class LLM:
         for prompt, sp in zip(batch, param_list):  # reject bad input before any request is queued
             self.engine.tokenize_prompt(prompt)
             sp.check_vocab(self.engine.model_config.vocab_size)
-        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(batch, param_list)]
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="Generating") as bar:
+        added = [(self.engine.add_request(p, sp).request_id, sp.n) for p, sp in zip(batch, param_list)]
+        wanted = [(request_id, i) for request_id, n in added for i in range(n)]
+        done: dict[tuple[str, int], RequestOutput] = {}
+        with tqdm(total=len(wanted), disable=not use_tqdm, desc="Generating") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[out.request_id, out.index] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        return [done[key] for key in wanted]
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (vLLM's default max_logprobs)
+MAX_N = 128  # the most sequences one request may ask for (each is a request in the engine)
 
 
 class InvalidParameter(ValueError):
@@ -18,6 +19,7 @@ class InvalidParameter(ValueError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    n: int = 1  # sequences sampled for the prompt; they share its KV blocks (engine/scheduler.py: _fork)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = no limit
@@ -42,6 +44,8 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InvalidParameter("max_tokens", f"max_tokens must be an integer >= 1 (0 only with prompt logprobs: "
                                                  f"echo's scoring call), got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise InvalidParameter("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0:
             raise InvalidParameter("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -152,10 +152,10 @@ def test_abort_frees_blocks(llm_fp32, prompts):
     engine.add_request(prompts[7], GREEDY, "to-abort")
     engine.step()
     assert engine.block_manager.num_used_blocks > 0
-    out = engine.abort_request("to-abort")
+    [out] = engine.abort_request("to-abort")
     assert out.finished and out.finish_reason == "abort"
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
-    assert engine.abort_request("unknown") is None
+    assert engine.abort_request("unknown") == []
 
 
 @pytest.mark.parametrize(

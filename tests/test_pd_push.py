@@ -107,6 +107,31 @@ def test_echo_and_prompt_logprobs_come_from_p_through_push_and_pull(cluster):
     assert wait_for_metric(cluster["p"].url, "pdserve:kv_blocks_held", 0, timeout=10) == 0  # nothing left held
 
 
+def test_n_sequences_through_push_and_pull_are_one_prefill_and_n_decodes(cluster):
+    """n = 3, seeded: P prefills once (its request asks for one sequence), D decodes three from the
+    one KV handoff; each choice equals the colocated node's, whole and streamed (echo before each)."""
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 10, "temperature": 0.9, "seed": 21, "n": 3,
+            "ignore_eos": True, "echo": True}
+    expected = httpx.post(cluster["both"].url + "/v1/completions", json=body, timeout=120).json()["choices"]
+    assert len({c["text"] for c in expected}) > 1
+    for mode in ("push", "pull"):
+        prompts_before = metric(cluster["p"].url, "pdserve:prompt_tokens_total")
+        got = httpx.post(cluster[mode].url + "/v1/completions", json=body, timeout=120)
+        assert got.status_code == 200, (mode, got.text)
+        assert [(c["index"], c["text"]) for c in got.json()["choices"]] == [(c["index"], c["text"]) for c in expected]
+        assert got.json()["usage"]["completion_tokens"] == 30
+        assert metric(cluster["p"].url, "pdserve:prompt_tokens_total") - prompts_before == got.json()["usage"]["prompt_tokens"]
+        texts: dict[int, str] = {}
+        with httpx.stream("POST", cluster[mode].url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        assert texts == {c["index"]: c["text"] for c in expected}, mode
+    for name in ("p", "d_shm", "d_tcp"):
+        assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
+
+
 def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):
     before = {d: metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') for d in ("d_shm", "d_tcp")}
     for p in PROMPTS[:2]:

@@ -85,8 +85,6 @@ class _SamplingFields(BaseModel):
         return self.prompt_logprobs
 
     def to_sampling_params(self, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
-        if self.n != 1:
-            raise InvalidParameter("n", f"only n=1 is supported, got n={self.n}")
         self.refuse_unserved()
         try:
             return self._sampling_params(max_tokens)
@@ -115,6 +113,7 @@ class _SamplingFields(BaseModel):
     def _sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
+            n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,

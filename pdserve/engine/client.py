@@ -102,4 +102,5 @@ class EngineClient(ABC):
     @abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  kv_transfer_params: KVTransferParams | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes; closing the iterator early aborts the request."""
+        """The request's outputs until it finishes (for n > 1, the n sequences' outputs interleaved,
+        told apart by `index`); closing the iterator early aborts the request."""

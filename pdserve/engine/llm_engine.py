@@ -166,20 +166,29 @@ class LLMEngine:
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
-            generator = torch.Generator(device=self.config.device).manual_seed(seed)
-        req = Request(
-            request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer),
-            self.eos_token_ids, self.max_model_len, generator, kv_transfer_params, arrival_time,
-        )
-        self.scheduler.add(req)
-        return req
+        # n > 1: n requests; the first keeps the client's id (a KV transfer names it), the others
+        # get "<id>.<i>", and a seed s seeds sequence i with s + i (as vLLM does).
+        ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
+        for rid in ids:
+            if rid in self.scheduler.requests or rid in self.scheduler.families:
+                raise ValueError(f"request id {rid!r} is already in use")
+        sequences = [
+            Request(rid, token_ids, params, IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
+                    self.max_model_len, self._generator(params, i), kv_transfer_params if i == 0 else None,
+                    arrival_time, client_id=request_id, index=i)
+            for i, rid in enumerate(ids)
+        ]
+        self.scheduler.add(sequences[0], sequences[1:])
+        return sequences[0]
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+        return torch.Generator(device=self.config.device).manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request (all n of its sequences); their final outputs, none if it is unknown."""
         return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:

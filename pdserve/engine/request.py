@@ -68,8 +68,12 @@ class Request:
         generator: torch.Generator | None,
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
+        client_id: str | None = None,
+        index: int = 0,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # unique in the engine; the first of n sequences has the client's id
+        self.client_id = client_id if client_id is not None else request_id  # what its outputs are reported as
+        self.index = index  # which of the client's n sequences this is
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the model sees
         self.params = params
@@ -132,7 +136,7 @@ class Request:
 class RequestOutput:
     """The state of one request after an engine step (or at its end)."""
 
-    request_id: str
+    request_id: str  # the client's id (for n > 1, every sequence's)
     prompt_token_ids: list[int]
     token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far (stop strings and special tokens removed)
@@ -145,12 +149,13 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # of every output token so far, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # of every prompt token (the first: None), when asked for
+    index: int = 0  # which of the request's n sequences (OpenAI's choice index)
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> "RequestOutput":
         finished = req.status.finished
         return cls(
-            request_id=req.request_id,
+            request_id=req.client_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=req.output_token_ids,
             text=req.detokenizer.text,
@@ -163,4 +168,5 @@ class RequestOutput:
             error=req.error,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            index=req.index,
         )

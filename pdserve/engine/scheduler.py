@@ -4,12 +4,18 @@ Every request is a number of tokens still to compute (prompt, or one new token w
 Each step the running requests are served first, oldest first, then waiting ones are admitted
 while the budget, `max_num_seqs` and free blocks allow. When blocks run out the newest running
 request is preempted: its blocks are freed and it is recomputed later from its tokens so far.
+
+A request for n sequences is n requests. The first computes the prompt (or loads its KV from a
+prefill node); the others wait until it has, then share its prompt's full blocks (reference
+counted, `_fork`) and each computes only the rest of the prompt, at least the last token, whose
+logits it samples its own first token from.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,10 +73,18 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.loading: dict[str, Request] = {}  # D: WAITING_FOR_REMOTE_KV, blocks reserved
         self.held: dict[str, Request] = {}  # P: finished, blocks kept until a D pulls them
+        self.forks: dict[str, list[Request]] = {}  # n > 1: the sequences waiting for their first's prompt blocks
+        self.families: dict[str, list[Request]] = {}  # n > 1: the client's request id -> its n sequences
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, siblings: Sequence[Request] = ()) -> None:
+        """Queue a request; its siblings (the other n - 1 sequences) wait for it to compute the prompt."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if siblings:
+            for sibling in siblings:
+                self.requests[sibling.request_id] = sibling
+            self.forks[req.request_id] = list(siblings)
+            self.families[req.client_id] = [req, *siblings]
 
     def has_unfinished(self) -> bool:
         """Requests still owed an answer, or blocks still owed to a transfer."""
@@ -118,10 +132,11 @@ class Scheduler:
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
+            cached = req.num_computed_tokens + len(prefix) * self.block_manager.block_size  # a fork's shared blocks too
             if not self.block_manager.allocate(req, n, prefix):
                 break
             if req.metrics.first_scheduled_time is None:
-                req.metrics.num_cached_tokens = len(prefix) * self.block_manager.block_size
+                req.metrics.num_cached_tokens = cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -148,7 +163,7 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is not None:
                 req.error = f"pushing KV to the decode node failed: {error}"
-                outputs.append(self.abort(request_id))
+                outputs.extend(self.abort(request_id))
         for request_id, expired in finished.sent:
             req = self.held.pop(request_id, None)
             if req is not None:
@@ -171,10 +186,8 @@ class Scheduler:
                 if self.kv_stats is not None:
                     self.kv_stats.add_remote_tokens(req.kv_external_tokens)
             elif self.load_failure_policy == "fail":
-                req.status = RequestStatus.FINISHED_ABORTED
                 req.error = f"KV transfer from the prefill node failed: {result.error}"
-                self._finish(req)
-                outputs.append(RequestOutput.of(req, []))
+                outputs.extend(self.abort(req.client_id))
                 continue
             # Loaded, or recompute: continue from what is valid (the recompute prefills locally).
             req.kv_external_tokens = 0
@@ -197,6 +210,8 @@ class Scheduler:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(req)
+            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork(req)
             token = sampled.get(req.request_id)
             if token is None:
                 if req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
@@ -210,22 +225,53 @@ class Scheduler:
             outputs.append(RequestOutput.of(req, [token]))
         return outputs
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
+    def _fork(self, first: Request) -> None:
+        """`first` has computed its prompt: its siblings take the prompt's full blocks (all but the
+        block holding the last prompt token, which each computes itself) and queue at the front."""
+        bs = self.block_manager.block_size
+        shared = (first.num_prompt_tokens - 1) // bs
+        for sibling in reversed(self.forks.pop(first.request_id)):
+            self.block_manager.allocate(sibling, 0, first.block_ids[:shared])  # takes references, no new blocks
+            sibling.block_hashes = first.block_hashes[:shared]
+            if sibling.params.prompt_logprobs is not None:  # those of the shared tokens are computed already
+                sibling.prompt_logprobs = first.prompt_logprobs[: shared * bs + 1]
+            self.waiting.appendleft(sibling)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request: the client's id aborts all n of its sequences (an engine id, that one)."""
+        family = self.families.get(request_id)
+        if family is None:
+            family = [self.requests[request_id]] if request_id in self.requests else []
+        live = [req for req in family if not req.status.finished]
+        for req in live:
+            if not req.status.finished:  # aborting the first may have ended siblings still waiting for it
+                self._abort(req)
+        return [RequestOutput.of(req, []) for req in live]
+
+    def _abort(self, req: Request) -> None:
         if req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
-        if request_id in self.loading:
+        if req.request_id in self.loading:
             # A loader is writing into its blocks: they are freed when the load reports back.
-            del self.requests[request_id]
+            del self.requests[req.request_id]
             self.connector.request_aborted(req)
+            self._end_family(req)
         else:
             self._finish(req)
-        return RequestOutput.of(req, [])
+
+    def _end_family(self, req: Request) -> None:
+        """req has finished: siblings still waiting for its prompt end with it (it never computed
+        the prompt); the family is forgotten once all its sequences have finished."""
+        for sibling in self.forks.pop(req.request_id, ()):
+            sibling.status, sibling.error = RequestStatus.FINISHED_ABORTED, req.error
+            self._finish(sibling)
+        family = self.families.get(req.client_id)
+        if family is not None and all(r.status.finished for r in family):
+            del self.families[req.client_id]
 
     def _finish(self, req: Request) -> None:
+        self._end_family(req)
         if req in self.running:
             self.running.remove(req)
         keep_blocks = False

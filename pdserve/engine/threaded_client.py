@@ -112,25 +112,26 @@ class ThreadedEngineClient(EngineClient):
         params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        """Yield the request's outputs (of all its n sequences) until it finishes; leaving early aborts it."""
         if not self.healthy:
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params))
-        finished = False
+        finished: set[int] = set()  # the indices of the n sequences that have finished
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    finished.add(item.index)
                 yield item
-                if finished:
+                if len(finished) == params.n:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if len(finished) < params.n:
                 self._commands.put(_Abort(request_id))
 
     # -- engine thread ----------------------------------------------------------------------

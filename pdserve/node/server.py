@@ -7,7 +7,7 @@ import json
 import logging
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -39,23 +39,23 @@ logger = logging.getLogger(__name__)
 
 MAX_KV_EVENTS_WAIT = 10.0  # seconds a subscriber's long poll may wait
 KV_EVENTS_POLL_S = 0.02
+T = TypeVar("T")
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     async with aclosing(rest):
         yield first
-        if not first.finished:
-            async for out in rest:
-                yield out
+        async for out in rest:  # ends at once if `first` was the last
+            yield out
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """An awaitable-iterator yielding only the final output (for _next_or_disconnect)."""
-    last = None
+async def _finals(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[list[RequestOutput]]:
+    """An iterator yielding once: each sequence's final output, by index (for _next_or_disconnect)."""
+    last: dict[int, RequestOutput] = {}
     async with aclosing(outputs):
         async for out in outputs:
-            last = out
-    yield last
+            last[out.index] = out
+    yield [last[i] for i in sorted(last)]
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -193,17 +193,18 @@ class NodeServer:
         outputs = _prepend(first, outputs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._stream(outputs, request_id, answer, include_usage)
+            chunks = self._stream(outputs, request_id, answer, params.n, include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        final = first if first.finished else await self._next_or_disconnect(raw, _last(outputs))
-        if final is None:
+        finals = await self._next_or_disconnect(raw, _finals(outputs))
+        if finals is None:
             return Response(status_code=499)
-        if final.error is not None:
-            raise APIError(502, final.error, type_="kv_transfer_error")
-        return JSONResponse(self._full_response(final, request_id, answer), headers=headers)
+        for final in finals:
+            if final.error is not None:
+                raise APIError(502, final.error, type_="kv_transfer_error")
+        return JSONResponse(self._full_response(finals, request_id, answer), headers=headers)
 
     @staticmethod
-    async def _next_or_disconnect(raw: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    async def _next_or_disconnect(raw: Request, outputs: AsyncIterator[T]) -> T | None:
         """The next output, or None if the client disconnected first (then the request is aborted)."""
         task = asyncio.ensure_future(anext(outputs))
         if await finished_before_disconnect(raw, task):
@@ -211,8 +212,9 @@ class NodeServer:
         await outputs.aclose()
         return None
 
-    def _usage(self, out: RequestOutput) -> dict[str, int]:
-        p, c = len(out.prompt_token_ids), len(out.token_ids)
+    def _usage(self, outs: list[RequestOutput]) -> dict[str, int]:
+        """The prompt once, the n sequences' completions summed."""
+        p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _logprobs(self, records: list | None, chat: bool, offset: int = 0,
@@ -226,71 +228,91 @@ class NodeServer:
         prompt = (echoed.prompt_token_ids, echoed.prompt_logprobs) if echoed is not None else None
         return completion_logprobs(records, texts, offset, prompt)
 
-    def _full_response(self, out: RequestOutput, request_id: str, answer: AnswerShape) -> dict[str, Any]:
-        extra = {"kv_transfer_params": out.kv_transfer_params.to_wire()} if out.kv_transfer_params else {}
-        logprobs = self._logprobs(out.logprobs, answer.chat, echoed=out if answer.echo is not None else None)
-        if answer.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "text": (answer.echo or "") + out.text, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
-        if answer.vllm_prompt_logprobs:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.engine.token_texts)
+    def _full_response(self, outs: list[RequestOutput], request_id: str, answer: AnswerShape) -> dict[str, Any]:
+        kv = outs[0].kv_transfer_params
+        extra = {"kv_transfer_params": kv.to_wire()} if kv else {}
         return {
             "id": request_id,
             "object": "chat.completion" if answer.chat else "text_completion",
             "created": now(),
             "model": self.model_name,
-            "choices": [choice],
-            "usage": self._usage(out),
+            "choices": [self._choice(out, answer) for out in outs],
+            "usage": self._usage(outs),
             **extra,
         }
 
+    def _choice(self, out: RequestOutput, answer: AnswerShape) -> dict[str, Any]:
+        logprobs = self._logprobs(out.logprobs, answer.chat, echoed=out if answer.echo is not None else None)
+        if answer.chat:
+            choice = {"index": out.index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": out.index, "text": (answer.echo or "") + out.text, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+        if answer.vllm_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.engine.token_texts)
+        return choice
+
     async def _stream(
-        self, outputs: AsyncIterator[RequestOutput], request_id: str, answer: AnswerShape, include_usage: bool
+        self, outputs: AsyncIterator[RequestOutput], request_id: str, answer: AnswerShape, n: int,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
         chat = answer.chat
         base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": now(), "model": self.model_name}
 
-        def chunk(text: str, finish_reason: str | None, first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
+        def chunk(index: int, text: str, finish_reason: str | None, first: bool = False,
+                  logprobs: dict | None = None) -> dict[str, Any]:
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
-                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**base, "choices": [choice]}
 
-        last, reported, offset = None, 0, 0  # logprobs: records sent so far, and where the next text starts
+        sequences: dict[int, _Sequence] = {}  # by index: what each of the n sequences has sent
         try:
             async with aclosing(outputs):
                 if chat:
-                    yield sse(chunk("", None, first=True))
+                    for index in range(n):
+                        yield sse(chunk(index, "", None, first=True))
                 async for out in outputs:
-                    if last is None and (answer.echo is not None or answer.vllm_prompt_logprobs):
-                        opening = chunk(answer.echo or "", None)  # the prompt, once, before the answer
-                        if answer.echo is not None and out.logprobs is not None:
-                            opening["choices"][0]["logprobs"] = echoed = self._logprobs([], False, echoed=out)
-                            offset = sum(map(len, echoed["tokens"]))
-                        if answer.vllm_prompt_logprobs:
-                            opening["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs,
-                                                                                            self.engine.token_texts)
-                        yield sse(opening)
-                    last = out
+                    seq = sequences.get(out.index)
+                    if seq is None:
+                        seq = sequences[out.index] = _Sequence()
+                        if answer.echo is not None or answer.vllm_prompt_logprobs:  # the prompt, once, first
+                            opening = chunk(out.index, answer.echo or "", None)
+                            if answer.echo is not None and out.logprobs is not None:
+                                opening["choices"][0]["logprobs"] = echoed = self._logprobs([], False, echoed=out)
+                                seq.offset = sum(map(len, echoed["tokens"]))
+                            if answer.vllm_prompt_logprobs:
+                                opening["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(
+                                    out.prompt_logprobs, self.engine.token_texts)
+                            yield sse(opening)
+                    seq.last = out
                     if out.text_delta or out.finished:
                         logprobs = None
                         if out.logprobs is not None:  # every token since the last chunk, held-back text or not
-                            logprobs = self._logprobs(out.logprobs[reported:], chat, offset)
-                            reported = len(out.logprobs)
-                            offset += sum(map(len, logprobs.get("tokens", ())))  # completions' text_offset runs on
-                        yield sse(chunk(out.text_delta, out.finish_reason if out.finished else None,
+                            logprobs = self._logprobs(out.logprobs[seq.reported:], chat, seq.offset)
+                            seq.reported = len(out.logprobs)
+                            seq.offset += sum(map(len, logprobs.get("tokens", ())))  # completions' text_offset runs on
+                        yield sse(chunk(out.index, out.text_delta, out.finish_reason if out.finished else None,
                                         logprobs=logprobs))
-            if include_usage and last is not None:
-                yield sse({**base, "choices": [], "usage": self._usage(last)})
+            if include_usage and sequences:
+                yield sse({**base, "choices": [], "usage": self._usage([s.last for s in sequences.values()])})
         except (EngineDeadError, ValueError) as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": 500}})
         yield sse("[DONE]")
+
+
+@dataclass
+class _Sequence:
+    """What one of the n sequences has streamed: its latest output, the logprobs records sent, and
+    where its next text starts (completions' text_offset)."""
+
+    last: RequestOutput | None = None
+    reported: int = 0
+    offset: int = 0
 
 
 @dataclass(frozen=True)

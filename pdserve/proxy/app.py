@@ -27,6 +27,7 @@ from pdserve.proxy.client import NodeClient, NodeError
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows import ClientRequest, flow_class
+from pdserve.proxy.flows.base import sequences
 from pdserve.proxy.health import HealthPoller
 from pdserve.proxy.membership import DuplicateNode, Membership, NodesFile
 from pdserve.proxy.metrics import ProxyMetrics
@@ -43,14 +44,15 @@ class AdminNode(BaseModel):
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
-    """A tokenizer-free load estimate: ~4 characters a token, plus the tokens asked for."""
+    """A tokenizer-free load estimate: ~4 characters a token, plus the tokens asked for (n times)."""
     if "messages" in body:
         text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
     else:
         prompt = body.get("prompt", "")
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-    return len(text) // 4 + (max_tokens if isinstance(max_tokens, int) else 256)
+    return len(text) // 4 + (max_tokens if isinstance(max_tokens, int) else 256) * sequences(body)
+
 
 
 class Proxy:

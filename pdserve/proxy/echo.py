@@ -79,28 +79,30 @@ class PromptPart:
             choice["prompt_logprobs"] = self.vllm
 
     def into_answer(self, answer: dict[str, Any]) -> dict[str, Any]:
-        self.before(answer["choices"][0])
+        for choice in answer["choices"]:  # each of the n sequences answers the same prompt
+            self.before(choice)
         return answer
 
     async def into_stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """D's SSE stream with the prompt's part in its first text chunk and offsets shifted after."""
-        buffer, first = b"", True
+        """D's SSE stream with the prompt's part in each choice's first chunk and offsets shifted after."""
+        buffer, started = b"", set()  # the choice indices already given the prompt's part
         async for raw in chunks:
             buffer += raw
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
-                event, had_choice = self._event(event, first)
-                first = first and not had_choice
-                yield event + b"\n\n"
+                yield self._event(event, started) + b"\n\n"
         if buffer:
             yield buffer
 
-    def _event(self, event: bytes, first: bool) -> tuple[bytes, bool]:
-        """The event with the prompt's part applied, and whether it carried a choice."""
+    def _event(self, event: bytes, started: set[int]) -> bytes:
+        """The event with the prompt's part applied to its choices."""
         if not event.startswith(b"data: {"):
-            return event, False
+            return event
         data = json.loads(event[len(b"data: "):])
         if not data.get("choices"):
-            return event, False
-        self.before(data["choices"][0], first)
-        return b"data: " + json.dumps(data).encode(), True
+            return event
+        for choice in data["choices"]:
+            index = choice.get("index", 0)
+            self.before(choice, index not in started)
+            started.add(index)
+        return b"data: " + json.dumps(data).encode()

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from pdserve.proxy.client import NodeError
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.echo import prompt_only
-from pdserve.proxy.flows.base import ClientRequest, Flow
+from pdserve.proxy.flows.base import ClientRequest, Flow, sequences
 from pdserve.proxy.placement import Placer
 from pdserve.proxy.prompts import PromptTokens
 from pdserve.proxy.timing import RequestTiming
@@ -48,7 +48,7 @@ class AutoFlow(Flow):
         token_ids = self.prompts.of(req.parsed)
         asked = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
         output_tokens = asked if isinstance(asked, int) and asked > 0 else DEFAULT_OUTPUT_TOKENS
-        req.tokens = len(token_ids) + output_tokens  # the nodes' load counts exact tokens, not the estimate
+        req.tokens = len(token_ids) + output_tokens * sequences(req.body)  # exact prompt tokens, not the estimate
         failed: set[str] = set()
         while True:
             placement = self.placer.place(token_ids, [p for p in self.members.prefillers if p.url not in failed],

@@ -48,6 +48,12 @@ class ClientRequest:
     prompt_part: PromptPart | None = None  # echo / prompt logprobs from P, put before D's answer (proxy/echo.py)
 
 
+def sequences(body: dict[str, Any]) -> int:
+    """The n sequences a request asks for (each decodes on its own)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
 class Flow(ABC):
     name: ClassVar[str]
 
@@ -111,7 +117,7 @@ class Flow(ABC):
     async def prefill(self, node: Node, req: ClientRequest, kv_params: KVTransferParams) -> dict[str, Any] | None:
         """P's one-token request; returns the kv_transfer_params P answered with (as sent)."""
         p_body = {k: v for k, v in for_prefill(req.body).items() if k not in _DECODE_ONLY_FIELDS}
-        p_body.update(max_tokens=1, stream=False, kv_transfer_params=kv_params.to_wire())
+        p_body.update(max_tokens=1, n=1, stream=False, kv_transfer_params=kv_params.to_wire())  # n: D samples them
         if isinstance(p_body.get("min_tokens"), int) and p_body["min_tokens"] > 1:
             p_body["min_tokens"] = 1  # P's one token obeys it; D enforces the rest
         node.begin(req.tokens)
