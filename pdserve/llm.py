@@ -39,7 +39,7 @@ class LLM:
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(batch)} prompts")
         for prompt, sp in zip(batch, param_list):  # reject bad input before any request is queued
             self.engine.tokenize_prompt(prompt)
-            sp.check_vocab(self.engine.model_config.vocab_size)
+            self.engine.check_params(sp)
         added = [(self.engine.add_request(p, sp).request_id, sp.n) for p, sp in zip(batch, param_list)]
         wanted = [(request_id, i) for request_id, n in added for i in range(n)]
         done: dict[tuple[str, int], RequestOutput] = {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (vLLM's default max_logprobs)
 MAX_N = 128  # the most sequences one request may ask for (each is a request in the engine)
@@ -14,6 +16,40 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputs:
+    """What the output must match (engine/grammar.py), in vLLM's structured_outputs terms."""
+
+    kind: str  # json (a JSON schema) | json_object (any JSON object) | regex | choice | grammar (Lark)
+    value: Any = None  # the schema, regex, list of choices or grammar; None for json_object
+    field: str = "structured_outputs"  # the request field it came from: errors name it
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> InvalidParameter:
+            return InvalidParameter(self.field, message)
+
+        if self.kind == "json":
+            if isinstance(self.value, str):
+                try:
+                    self.value = json.loads(self.value)
+                except json.JSONDecodeError as exc:
+                    raise bad(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(self.value, (dict, bool)):
+                raise bad(f"a JSON schema must be an object, got {type(self.value).__name__}")
+        elif self.kind in ("regex", "grammar"):
+            if not isinstance(self.value, str) or not self.value:
+                raise bad(f"the {self.kind} must be a non-empty string")
+        elif self.kind == "choice":
+            if (not isinstance(self.value, list) or not self.value
+                    or not all(isinstance(c, str) and c for c in self.value)):
+                raise bad("choice must be a non-empty list of non-empty strings")
+        elif self.kind != "json_object":
+            raise bad(f"unknown structured output kind {self.kind!r}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": self.value}
 
 
 @dataclass
@@ -35,6 +71,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # report each sampled token's logprob and this many most likely (engine/logprobs.py)
     prompt_logprobs: int | None = None  # the same for each prompt token (the prompt is computed in full, no cache)
+    structured: StructuredOutputs | None = None  # a constraint the output must match (masks on the logits)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,7 +126,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether any logit control is set (the sampler leaves other rows alone)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.structured)
 
     @property
     def max_stop_len(self) -> int:

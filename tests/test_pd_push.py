@@ -132,6 +132,27 @@ def test_n_sequences_through_push_and_pull_are_one_prefill_and_n_decodes(cluster
         assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
 
 
+def test_structured_output_through_push_and_pull_equals_colocated(cluster):
+    """A JSON schema through PD: P's one token and D's answer obey it, and the answer equals the
+    colocated node's (greedy); a constraint that does not compile is P's 400, naming its field."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a big city as JSON."}], "max_tokens": 60,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    expected = httpx.post(cluster["both"].url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    assert set(json.loads(expected["message"]["content"])) == {"city", "country"}
+    first = httpx.post(cluster["p"].url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=120).json()
+    assert first["choices"][0]["message"]["content"] == expected["message"]["content"][:len(first["choices"][0]["message"]["content"])]
+    for mode in ("push", "pull"):
+        got = httpx.post(cluster[mode].url + "/v1/chat/completions", json=body, timeout=120)
+        assert got.status_code == 200, (mode, got.text)
+        assert got.json()["choices"][0]["message"]["content"] == expected["message"]["content"], mode
+        bad = httpx.post(cluster[mode].url + "/v1/completions", timeout=60,
+                         json={"model": MODEL, "prompt": "x", "guided_regex": "[unclosed"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex", (mode, bad.text)
+
+
 def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):
     before = {d: metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') for d in ("d_shm", "d_tcp")}
     for p in PROMPTS[:2]:

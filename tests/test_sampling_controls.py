@@ -52,7 +52,7 @@ def test_out_of_range_controls_name_their_field(bad, param):
 
 @pytest.mark.parametrize("field,value", [
     ("best_of", 3), ("suffix", "end"),
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
+    ("use_beam_search", True), ("modalities", ["text", "audio"]),
 ])
 def test_a_known_field_pdserve_does_not_serve_is_refused_by_name(field, value):
     with pytest.raises(InvalidParameter) as err:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.sampling_params import InvalidParameter, SamplingParams
+from pdserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 logger = logging.getLogger(__name__)
@@ -24,12 +24,13 @@ def _set(value: Any) -> bool:
 # whether a value asks for the feature (null, false, "none", n=1... ask for nothing).
 NOT_SERVED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: _set(v) and v != 1, "use_beam_search": _set, "suffix": lambda v: _set(v) and v != "",
-    "response_format": lambda v: _set(v) and not (isinstance(v, dict) and v.get("type") == "text"),
     "tools": _set, "tool_choice": lambda v: _set(v) and v != "none", "functions": _set,
-    "function_call": lambda v: _set(v) and v != "none", "guided_json": _set, "guided_regex": _set,
-    "guided_choice": _set, "guided_grammar": _set, "structured_outputs": _set, "guided_decoding_backend": _set,
+    "function_call": lambda v: _set(v) and v != "none",
     "audio": _set, "modalities": lambda v: _set(v) and v != ["text"], "prediction": _set,
 }
+# vLLM's structured_outputs keys, and the backends whose place llguidance takes.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 _unknown_logged: set[str] = set()
 
 
@@ -73,6 +74,15 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # PD disaggregation (proxy <-> nodes)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many most likely
+    # Structured output (one at a time): OpenAI's response_format; vLLM's structured_outputs and its
+    # older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -104,6 +114,34 @@ class _SamplingFields(BaseModel):
                 _unknown_logged.add(name)
                 logger.warning("request field %r is not an OpenAI or vLLM field pdserve knows: ignored", name)
 
+    def requested_structure(self) -> StructuredOutputs | None:
+        """The one constraint the output must match, from whichever field asked for it."""
+        asked: list[StructuredOutputs] = []
+        if self.response_format is not None:
+            asked += _response_format(self.response_format)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            unknown = sorted(set(so) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise InvalidParameter("structured_outputs", f"structured_outputs.{unknown[0]} is not supported by "
+                                                             f"this server; it takes one of {list(STRUCTURED_KINDS)}")
+            asked += [StructuredOutputs(k, so[k], "structured_outputs") for k in STRUCTURED_KINDS[:4]
+                      if so.get(k) is not None]
+            if so.get("json_object"):
+                asked.append(StructuredOutputs("json_object", None, "structured_outputs"))
+        for kind in STRUCTURED_KINDS[:4]:
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                asked.append(StructuredOutputs(kind, value, f"guided_{kind}"))
+        if self.guided_decoding_backend not in (None, *GRAMMAR_BACKENDS):
+            raise InvalidParameter("guided_decoding_backend", f"this server's structured output runs on llguidance; "
+                                   f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)}, "
+                                   f"got {self.guided_decoding_backend!r}")
+        if len(asked) > 1:
+            raise InvalidParameter(asked[1].field, "one structured output constraint per request, got "
+                                                   + " and ".join(f"{a.field} ({a.kind})" for a in asked))
+        return asked[0] if asked else None
+
     def _logit_bias(self) -> dict[int, float]:
         try:
             return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -128,7 +166,25 @@ class _SamplingFields(BaseModel):
             logit_bias=self._logit_bias(),
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
+            structured=self.requested_structure(),
         )
+
+
+def _response_format(rf: dict[str, Any]) -> list[StructuredOutputs]:
+    """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}."""
+    kind = rf.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [StructuredOutputs("json_object", None, "response_format")]
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidParameter("response_format", "response_format json_schema needs "
+                                                      "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return [StructuredOutputs("json", spec["schema"], "response_format")]
+    raise InvalidParameter("response_format", f"response_format type must be text, json_object or json_schema, "
+                                              f"got {kind!r}")
 
 
 class CompletionRequest(_SamplingFields):

@@ -96,6 +96,10 @@ class EngineClient(ABC):
         """Each token's own text (special tokens included), as logprobs name tokens."""
 
     @abstractmethod
+    def check_params(self, params: SamplingParams) -> None:
+        """InvalidParameter for what only the model can say (vocabulary, structured output that does not compile)."""
+
+    @abstractmethod
     def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         """InvalidParameter if this node cannot act on the proxy's kv_transfer_params."""
 

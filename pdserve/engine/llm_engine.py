@@ -12,6 +12,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.client import DecodeSteps, EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.model_runner import ModelRunner, is_decode
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -55,6 +56,7 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
 
+        self.grammars = Grammars(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids)  # structured output
         self.kv_spec = kv_cache_spec(mc, dtype)  # the model says what it keeps per token
         bytes_per_block = config.block_size * self.kv_spec.bytes_per_token
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
@@ -144,6 +146,13 @@ class LLMEngine:
             )
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """InvalidParameter for what only this model can say: logit_bias outside its vocabulary, a
+        structured output constraint that does not compile (compiled here once, then cached)."""
+        params.check_vocab(self.model_config.vocab_size)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
+
     def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         """InvalidParameter if this node cannot act on the proxy's kv_transfer_params."""
         if params is None:
@@ -161,7 +170,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
-        params.check_vocab(self.model_config.vocab_size)
+        self.check_params(params)
         if isinstance(kv_transfer_params, dict):
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
@@ -175,7 +184,8 @@ class LLMEngine:
         sequences = [
             Request(rid, token_ids, params, IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
                     self.max_model_len, self._generator(params, i), kv_transfer_params if i == 0 else None,
-                    arrival_time, client_id=request_id, index=i)
+                    arrival_time, client_id=request_id, index=i,
+                    grammar=self.grammars.matcher(params.structured) if params.structured else None)
             for i, rid in enumerate(ids)
         ]
         self.scheduler.add(sequences[0], sequences[1:])

@@ -4,7 +4,10 @@ vLLM's order:
 2. logit_bias: added as given;
 3. penalties: repetition (HF's CTRL rule: a positive logit divided by it, a negative one multiplied,
    for every token of the prompt and the output), then frequency and presence (OpenAI's: minus the
-   token's count in the output times frequency_penalty, minus presence_penalty if it is there).
+   token's count in the output times frequency_penalty, minus presence_penalty if it is there);
+4. structured output: tokens the request's grammar does not allow next are masked (engine/grammar.py).
+   Should the controls leave no allowed token a finite logit (min_tokens holding back the EOS
+   that a complete grammar wants), the grammar wins: its allowed tokens are drawn evenly.
 """
 
 from __future__ import annotations
@@ -34,4 +37,9 @@ def apply_logit_controls(logits: torch.Tensor, requests: list[Request]) -> torch
         if (p.frequency_penalty or p.presence_penalty) and output:
             ids, counts = torch.tensor(output, device=device).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+        if req.grammar is not None:
+            allowed = req.grammar.mask(row.shape[-1], device)
+            row.masked_fill_(~allowed, float("-inf"))
+            if not torch.isfinite(row).any():
+                row[allowed] = 0.0
     return logits

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.grammar import GrammarMatcher
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
@@ -70,10 +71,12 @@ class Request:
         arrival_time: float | None = None,
         client_id: str | None = None,
         index: int = 0,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id  # unique in the engine; the first of n sequences has the client's id
         self.client_id = client_id if client_id is not None else request_id  # what its outputs are reported as
         self.index = index  # which of the client's n sequences this is
+        self.grammar = grammar  # structured output: what may come next (engine/logits.py masks the rest)
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the model sees
         self.params = params
@@ -123,13 +126,18 @@ class Request:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)
         self.detokenizer.add(token_id)
-        if token_id in self.stop_token_ids:
+        refused = self.grammar.accept(token_id) if self.grammar is not None else None
+        if refused is not None:  # cannot happen for a masked draw; end the request rather than the engine
+            self.status, self.error = RequestStatus.FINISHED_ABORTED, f"structured output: {refused}"
+        elif token_id in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif (self.params.stop and self.num_output_tokens >= self.params.min_tokens
               and self.detokenizer.truncate_at_stop(self.params.stop)):
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
+        elif self.grammar is not None and self.grammar.done:  # complete: nothing but the end may follow
+            self.status = RequestStatus.FINISHED_STOPPED
 
 
 @dataclass

@@ -102,6 +102,9 @@ class ThreadedEngineClient(EngineClient):
     def token_texts(self, token_ids: list[int]) -> list[str]:
         return [self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
+    def check_params(self, params: SamplingParams) -> None:
+        self.engine.check_params(params)
+
     def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         self.engine.check_kv_transfer_params(params, num_prompt_tokens)
 

@@ -46,6 +46,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what grammar libraries build their token tables from)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

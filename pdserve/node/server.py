@@ -165,7 +165,10 @@ class NodeServer:
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      chat: bool, echo: str | None = None):
-        params.check_vocab(self.engine.info.vocab_size)
+        if params.structured is not None:  # compiling a grammar may take a while: off the event loop
+            await asyncio.to_thread(self.engine.check_params, params)
+        else:
+            self.engine.check_params(params)
         waiting = self.engine.stats().num_waiting
         if overloaded(waiting, self.max_waiting):
             return too_busy(waiting)
