@@ -153,6 +153,31 @@ def test_structured_output_through_push_and_pull_equals_colocated(cluster):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex", (mode, bad.text)
 
 
+def test_tool_calls_through_push_and_pull_equal_colocated(cluster):
+    """P renders the same prompt with the tools (its KV is D's), D's answer is parsed into calls."""
+    from test_tools import TIME, WEATHER
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Lima, and the time there?"}],
+            "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 100, "temperature": 0}
+
+    def calls(answer: dict) -> list[tuple[str, str]]:
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in answer["choices"][0]["message"]["tool_calls"]]
+
+    expected = httpx.post(cluster["both"].url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert calls(expected) and expected["choices"][0]["finish_reason"] == "tool_calls"
+    for mode in ("push", "pull"):
+        got = httpx.post(cluster[mode].url + "/v1/chat/completions", json=body, timeout=120)
+        assert got.status_code == 200, (mode, got.text)
+        assert calls(got.json()) == calls(expected) and got.json()["usage"] == expected["usage"], mode
+        streamed = []
+        with httpx.stream("POST", cluster[mode].url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    streamed += json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == calls(expected), mode
+
+
 def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):
     before = {d: metric(cluster[d].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') for d in ("d_shm", "d_tcp")}
     for p in PROMPTS[:2]:

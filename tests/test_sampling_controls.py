@@ -66,9 +66,9 @@ def test_fields_that_ask_for_nothing_pass_and_unknown_ones_are_logged_once(caplo
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **unset).to_sampling_params(4)
     with pytest.raises(InvalidParameter, match="echo on chat"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], echo=True).to_sampling_params(4)
-    with pytest.raises(InvalidParameter, match="tools"):
+    with pytest.raises(InvalidParameter, match="functions"):  # the deprecated form of tools
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                              tools=[{"type": "function", "function": {"name": "f"}}]).to_sampling_params(4)
+                              functions=[{"name": "f"}]).to_sampling_params(4)
     with caplog.at_level(logging.WARNING, logger="pdserve.api.openai_protocol"):
         for _ in range(3):
             CompletionRequest(prompt="hi", frobnicate=1).to_sampling_params(4)

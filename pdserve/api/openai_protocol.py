@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -9,6 +10,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.api.tools import ToolUse, hermes_messages
 from pdserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -24,8 +26,7 @@ def _set(value: Any) -> bool:
 # whether a value asks for the feature (null, false, "none", n=1... ask for nothing).
 NOT_SERVED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: _set(v) and v != 1, "use_beam_search": _set, "suffix": lambda v: _set(v) and v != "",
-    "tools": _set, "tool_choice": lambda v: _set(v) and v != "none", "functions": _set,
-    "function_call": lambda v: _set(v) and v != "none",
+    "functions": _set, "function_call": lambda v: _set(v) and v != "none",
     "audio": _set, "modalities": lambda v: _set(v) and v != ["text"], "prediction": _set,
 }
 # vLLM's structured_outputs keys, and the backends whose place llguidance takes.
@@ -137,10 +138,17 @@ class _SamplingFields(BaseModel):
             raise InvalidParameter("guided_decoding_backend", f"this server's structured output runs on llguidance; "
                                    f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)}, "
                                    f"got {self.guided_decoding_backend!r}")
+        tools = self.tool_use()
+        if tools is not None and tools.structure() is not None:  # required / named: a schema forces the calls
+            asked.append(tools.structure())
         if len(asked) > 1:
             raise InvalidParameter(asked[1].field, "one structured output constraint per request, got "
                                                    + " and ".join(f"{a.field} ({a.kind})" for a in asked))
         return asked[0] if asked else None
+
+    def tool_use(self) -> ToolUse | None:
+        """Chat's tools and tool_choice (completions have none)."""
+        return None
 
     def _logit_bias(self) -> dict[int, float]:
         try:
@@ -214,6 +222,8 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -233,6 +243,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     echo: bool = False  # vLLM's chat extension (the last message's text before the answer): not served yet
+    tools: list[dict[str, Any]] | None = None  # functions the model may call (api/tools.py)
+    tool_choice: str | dict[str, Any] | None = None  # none | auto (default with tools) | required | a function
+    parallel_tool_calls: bool | None = None  # false: one call at most
 
     def refuse_unserved(self) -> None:
         if self.echo:
@@ -247,15 +260,51 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def tool_use(self) -> ToolUse | None:
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_inputs(self, template_knows_tools: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The chat template's messages and tools. A template that knows nothing of tools gets the
+        conversation the Hermes way (api/tools.py), and no tools."""
+        messages, use = self.template_messages(), self.tool_use()
+        tools = use.tools if use is not None else None
+        if template_knows_tools:
+            return messages, tools
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            return hermes_messages(messages, tools or []), None
+        return messages, None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as HF chat templates take them (a call's arguments as an object)."""
         if not self.messages:
             raise InvalidParameter("messages", "messages must not be empty")
         out = []
         for i, m in enumerate(self.messages):
             if m.role not in CHAT_ROLES:
                 raise InvalidParameter("messages", f"messages[{i}].role {m.role!r} is not one of {list(CHAT_ROLES)}")
-            out.append({"role": m.role, "content": m.text()})
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(i, call) for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
         return out
+
+
+def _template_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier call, its arguments parsed (HF templates take them as an object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidParameter("messages", f"messages[{i}].tool_calls: each call needs function.name and "
+                                           "function.arguments")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise InvalidParameter("messages", f"messages[{i}].tool_calls: arguments of {function['name']!r} "
+                                               "are not JSON") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 class Usage(BaseModel):

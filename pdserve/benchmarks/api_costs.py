@@ -1,10 +1,12 @@
-"""What the API's extras cost per token: logprobs, prompt logprobs and the logit controls, against
-the same requests without them, measured in one run on the offline engine.
+"""What the API's extras cost per token: logprobs, prompt logprobs, the logit controls and structured
+output, against the same requests without them, measured in one run on the offline engine.
 
     python -m pdserve.benchmarks.api_costs [--batch 8] [--output-len 128] [--prompt-len 512]
 
 Decode: `--batch` prompts of 32 tokens generating `--output-len` tokens each (greedy, EOS
-ignored), as output tokens per second. Prefill: one `--prompt-len`-token prompt, max_tokens 1, as
+ignored), as output tokens per second. Structured output: a JSON schema the requests cannot complete
+within --output-len (an array of at least 1000 short strings), so every request masks every token
+and runs its full length. Prefill: one `--prompt-len`-token prompt, max_tokens 1, as
 prompt tokens per second (prompt logprobs put the LM head over every prompt position, not just the
 last). Each setting runs `--repeats` times, alternating, and the best run counts.
 
@@ -19,6 +21,7 @@ from dataclasses import replace
 
 from pdserve import LLM, SamplingParams
 from pdserve.benchmarks.report import publish
+from pdserve.sampling_params import StructuredOutputs
 from pdserve.workload import random_prompts
 
 DECODE = {  # name: what the requests add to greedy decoding
@@ -27,6 +30,8 @@ DECODE = {  # name: what the requests add to greedy decoding
     "logprobs 20": {"logprobs": 20},
     "penalties + logit_bias": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
                                "logit_bias": {100: 2.0, 200: -2.0}},
+    "structured: JSON schema": {"structured": StructuredOutputs("json", {
+        "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000})},
 }
 PREFILL = {"plain": {}, "prompt logprobs 1": {"prompt_logprobs": 1}}
 
@@ -71,8 +76,10 @@ def main() -> None:
         lines.append(f"| {key} | {rate:.1f} | {base / rate - 1:+.1%} |")
     lines += ["", "Differences of a few percent are within this host's run-to-run noise (a negative cost is one). "
               "Prompt logprobs put the LM head (vocabulary x hidden) over every prompt position instead of the "
-              "last one: that is their prefill cost."]
-    publish(res, args.out, "api_costs", "What logprobs and logit controls cost per token (issue 20)", "\n".join(lines))
+              "last one: that is their prefill cost. Structured output computes each request's mask "
+              "(llguidance, on the engine thread) and applies it to its logits row every step."]
+    publish(res, args.out, "api_costs", "What logprobs, logit controls and structured output cost per token (issue 20)",
+            "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class EngineInfo:
     kv_blocks_total: int
     engine_labels: dict[str, str]  # device, device_name, isa, dtype, kernels, quantization, attention (pdserve:engine_info)
     vocab_size: int
+    template_knows_tools: bool = False  # the chat template renders `tools` itself
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class EngineClient(ABC):
         """Prompt token ids; InvalidParameter if the prompt is empty or does not fit."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
+                            tools: list[dict] | None = None) -> str: ...
 
     @abstractmethod
     def token_texts(self, token_ids: list[int]) -> list[str]:

@@ -210,7 +210,8 @@ class LLMEngine:
     # -- state, for the engine client -----------------------------------------------------------
 
     def info(self) -> EngineInfo:
-        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels(), self.model_config.vocab_size)
+        return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels(), self.model_config.vocab_size,
+                          self.tokenizer.template_knows_tools)
 
     def labels(self) -> dict[str, str]:
         """How this engine computes: the kernel plan, the weights' quantization, the decode attention."""

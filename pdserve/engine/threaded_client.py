@@ -96,8 +96,9 @@ class ThreadedEngineClient(EngineClient):
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize_prompt(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
+                            tools: list[dict] | None = None) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         return [self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]

@@ -53,11 +53,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (else api/tools.py writes them into the messages)."""
+        return bool(self.chat_template and "tools" in self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; use a plain prompt instead")
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

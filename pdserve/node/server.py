@@ -25,6 +25,7 @@ from pdserve.api.openai_protocol import (
     new_id,
     now,
 )
+from pdserve.api.tools import ToolCallStream, ToolUse
 from pdserve.engine.client import EngineClient, EngineDeadError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
@@ -135,12 +136,13 @@ class NodeServer:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
             self._check_model(body.model)
-            messages = body.template_messages()
-            prompt = self.engine.apply_chat_template(messages, body.add_generation_prompt)
+            messages, tools = body.template_inputs(self.engine.info.template_knows_tools)
+            prompt = self.engine.apply_chat_template(messages, body.add_generation_prompt, tools)
             prompt_ids = self.engine.tokenize(prompt)
             param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             params = body.to_sampling_params(self._max_tokens(body, len(prompt_ids), param), param)
-            return await self._serve(raw, body, new_id("chatcmpl"), prompt_ids, params, chat=True)
+            return await self._serve(raw, body, new_id("chatcmpl"), prompt_ids, params, chat=True,
+                                     tools=body.tool_use())
 
         return app
 
@@ -164,7 +166,7 @@ class NodeServer:
         return requested
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     chat: bool, echo: str | None = None):
+                     chat: bool, echo: str | None = None, tools: ToolUse | None = None):
         if params.structured is not None:  # compiling a grammar may take a while: off the event loop
             await asyncio.to_thread(self.engine.check_params, params)
         else:
@@ -178,7 +180,7 @@ class NodeServer:
             raise InvalidParameter("echo" if echo is not None else "prompt_logprobs",
                                    "this decode node does not compute the prompt: its prefill node reports the "
                                    "prompt's logprobs (send the request through the proxy)")
-        answer = AnswerShape(chat, echo, body.prompt_logprobs is not None)
+        answer = AnswerShape(chat, echo, body.prompt_logprobs is not None, tools)
         outputs = self.engine.generate(request_id, prompt_ids, params, kv_params)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP
         # error, and the stage timings can go into the response headers.
@@ -247,8 +249,13 @@ class NodeServer:
     def _choice(self, out: RequestOutput, answer: AnswerShape) -> dict[str, Any]:
         logprobs = self._logprobs(out.logprobs, answer.chat, echoed=out if answer.echo is not None else None)
         if answer.chat:
-            choice = {"index": out.index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            finish_reason = out.finish_reason
+            if answer.tools is not None:  # the model's calls, parsed out of its text (api/tools.py)
+                message["content"], calls = answer.tools.calls(out.text)
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                finish_reason = answer.tools.finish_reason(out.finish_reason, bool(calls))
+            choice = {"index": out.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": out.index, "text": (answer.echo or "") + out.text, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
@@ -265,9 +272,11 @@ class NodeServer:
                 "created": now(), "model": self.model_name}
 
         def chunk(index: int, text: str, finish_reason: str | None, first: bool = False,
-                  logprobs: dict | None = None) -> dict[str, Any]:
+                  logprobs: dict | None = None, calls: list[dict] | None = None) -> dict[str, Any]:
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
+                if calls:
+                    delta["tool_calls"] = calls
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -282,7 +291,8 @@ class NodeServer:
                 async for out in outputs:
                     seq = sequences.get(out.index)
                     if seq is None:
-                        seq = sequences[out.index] = _Sequence()
+                        tools = ToolCallStream(answer.tools) if answer.tools is not None else None
+                        seq = sequences[out.index] = _Sequence(tools=tools)
                         if answer.echo is not None or answer.vllm_prompt_logprobs:  # the prompt, once, first
                             opening = chunk(out.index, answer.echo or "", None)
                             if answer.echo is not None and out.logprobs is not None:
@@ -293,14 +303,22 @@ class NodeServer:
                                     out.prompt_logprobs, self.engine.token_texts)
                             yield sse(opening)
                     seq.last = out
-                    if out.text_delta or out.finished:
+                    text, calls, finish_reason = out.text_delta, [], out.finish_reason if out.finished else None
+                    if seq.tools is not None:  # content until a call begins; each call once it is whole
+                        text, calls = seq.tools.feed(text)
+                        if out.finished:
+                            rest, more = seq.tools.finish()
+                            text, calls = text + rest, calls + more
+                        calls = [call.to_openai(seq.tools.sent - len(calls) + i) for i, call in enumerate(calls)]
+                        if out.finished:
+                            finish_reason = answer.tools.finish_reason(out.finish_reason, seq.tools.sent > 0)
+                    if text or calls or out.finished:
                         logprobs = None
                         if out.logprobs is not None:  # every token since the last chunk, held-back text or not
                             logprobs = self._logprobs(out.logprobs[seq.reported:], chat, seq.offset)
                             seq.reported = len(out.logprobs)
                             seq.offset += sum(map(len, logprobs.get("tokens", ())))  # completions' text_offset runs on
-                        yield sse(chunk(out.index, out.text_delta, out.finish_reason if out.finished else None,
-                                        logprobs=logprobs))
+                        yield sse(chunk(out.index, text, finish_reason, logprobs=logprobs, calls=calls))
             if include_usage and sequences:
                 yield sse({**base, "choices": [], "usage": self._usage([s.last for s in sequences.values()])})
         except (EngineDeadError, ValueError) as exc:
@@ -316,6 +334,7 @@ class _Sequence:
     last: RequestOutput | None = None
     reported: int = 0
     offset: int = 0
+    tools: ToolCallStream | None = None  # chat with tools: its text split into content and calls
 
 
 @dataclass(frozen=True)
@@ -326,6 +345,7 @@ class AnswerShape:
     chat: bool
     echo: str | None = None
     vllm_prompt_logprobs: bool = False
+    tools: ToolUse | None = None  # chat with tools: calls parsed out of the text
 
 
 def build_node_server(engine: LLMEngine, served_model_name: str, api_key: str | None = None,

@@ -18,7 +18,8 @@ class PromptTokens:
         """InvalidParameter (a 400) where the node would refuse the prompt too."""
         if isinstance(body, ChatCompletionRequest):
             try:
-                prompt = self.tokenizer.apply_chat_template(body.template_messages(), body.add_generation_prompt)
+                messages, tools = body.template_inputs(self.tokenizer.template_knows_tools)
+                prompt = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools)
             except InvalidParameter:
                 raise
             except ValueError as exc:  # the template refused the messages
