@@ -3,8 +3,9 @@ strings, or a Lark grammar) as a token mask on its logits, on llguidance.
 
 `Grammars` compiles a request's `StructuredOutputs` once (validated against this model's
 tokenizer, cached: the server compiles it on its own thread, the engine reuses it) and gives every
-sequence its own matcher. The matcher says which tokens may come next (`mask`), advances with each
-sampled token (`accept`), and says when the constraint is complete and allows nothing more but the
+sequence its own matcher. `allowed_tokens` says which tokens may come next for a batch of matchers
+(computed in parallel, as bitmasks, then unpacked in one tensor op); a matcher advances with each
+sampled token (`accept`) and says when the constraint is complete and allows nothing more but the
 end (`done`): the request then stops.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from functools import cache
 
 import llguidance
 import torch
@@ -21,29 +23,41 @@ from pdserve.sampling_params import InvalidParameter, StructuredOutputs
 
 CACHED_GRAMMARS = 64
 MAX_ERROR_CHARS = 400  # of llguidance's message, in a 400's body
+MAX_MASK_THREADS = 8
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarMatcher:
     """One sequence's place in its grammar."""
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self._matcher = matcher
-
-    def mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """True for each token the grammar allows next (logits beyond the tokenizer's are never allowed)."""
-        allowed = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8) > 0
-        if allowed.numel() < vocab_size:
-            allowed = torch.cat([allowed, torch.zeros(vocab_size - allowed.numel(), dtype=torch.bool)])
-        return allowed[:vocab_size].to(device)
+        self.matcher = matcher
 
     def accept(self, token_id: int) -> str | None:
         """Advance past a sampled token; why not, if the grammar refuses it (it was masked: a bug)."""
-        return None if self._matcher.consume_token(token_id) else self._matcher.get_error() or "refused"
+        return None if self.matcher.consume_token(token_id) else self.matcher.get_error() or "refused"
 
     @property
     def done(self) -> bool:
         """The constraint is complete and nothing more can follow (only the end of the sequence)."""
-        return self._matcher.is_stopped()
+        return self.matcher.is_stopped()
+
+
+def allowed_tokens(matchers: list[GrammarMatcher], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(len(matchers), vocab_size) bools: which tokens each grammar allows next (a logit past the
+    tokenizer's vocabulary never)."""
+    words = -(-vocab_size // 32)
+    bits = torch.zeros((len(matchers), words), dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr([(m.matcher, i) for i, m in enumerate(matchers)], bits.data_ptr(),
+                                        words * 4, len(matchers))
+    allowed = ((bits.unsqueeze(-1) >> _BITS) & 1).view(len(matchers), -1)[:, :vocab_size]
+    return allowed.bool().to(device)
+
+
+@cache
+def _executor() -> llguidance.LLExecutor:
+    # Masks are computed between forward passes, while torch's threads wait: as many as they are.
+    return llguidance.LLExecutor(max(1, min(MAX_MASK_THREADS, torch.get_num_threads())))
 
 
 class Grammars:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.grammar import allowed_tokens
 from pdserve.engine.request import Request
 
 
@@ -37,9 +38,13 @@ def apply_logit_controls(logits: torch.Tensor, requests: list[Request]) -> torch
         if (p.frequency_penalty or p.presence_penalty) and output:
             ids, counts = torch.tensor(output, device=device).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-        if req.grammar is not None:
-            allowed = req.grammar.mask(row.shape[-1], device)
-            row.masked_fill_(~allowed, float("-inf"))
-            if not torch.isfinite(row).any():
-                row[allowed] = 0.0
+    constrained = [i for i, req in enumerate(requests) if req.grammar is not None]
+    if constrained:  # all rows' masks at once
+        allowed = allowed_tokens([requests[i].grammar for i in constrained], logits.shape[-1], logits.device)
+        rows = torch.tensor(constrained, device=logits.device)
+        masked = logits[rows].masked_fill_(~allowed, float("-inf"))
+        stuck = ~torch.isfinite(masked).any(dim=-1)
+        if stuck.any():
+            masked[stuck] = torch.zeros_like(masked[stuck]).masked_fill_(~allowed[stuck], float("-inf"))
+        logits[rows] = masked
     return logits
