@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from servers import NODE, start_pdserve
 
 from pdserve.models.locate import default_gguf_path, resolve_model_dir
 from pdserve.models.native import native_ops
@@ -45,3 +46,11 @@ def ops():
     built = native_ops()
     assert built is not None, "a C++ compiler is here, yet the kernels did not build (see the log)"
     return built
+
+
+@pytest.fixture(scope="session")
+def fp32_node(tmp_path_factory):
+    """One float32 node (`pdserve serve`) for the API tests: logprobs, n, structured output, tools."""
+    child = start_pdserve(["serve", *NODE], tmp_path_factory.mktemp("fp32-node"), "node")
+    yield child
+    child.stop()

@@ -10,6 +10,9 @@ import httpx
 
 from pdserve.procs import Child, ChildFailed, ProcessGroup, free_port
 
+MODEL = "SmolLM2-135M-Instruct"
+NODE = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.15"]  # what transformers computes
+
 __all__ = ["Procs", "free_port", "metric", "start_pdserve", "wait_for_metric"]
 
 

@@ -8,8 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
-from servers import start_pdserve
-from test_pd_pull import MODEL, NODE
+from test_pd_pull import MODEL
 
 from pdserve import SamplingParams
 
@@ -43,11 +42,9 @@ def test_logprobs_are_the_models_whatever_the_sampling(llm_fp32):
     assert llm_fp32.generate(prompt, SamplingParams(temperature=0, max_tokens=3))[0].logprobs is None
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    child = start_pdserve(["serve", *NODE], tmp_path_factory.mktemp("logprobs"), "node")
-    yield child
-    child.stop()
+@pytest.fixture
+def node(fp32_node):
+    return fp32_node
 
 
 def test_completions_logprobs_in_openais_legacy_format(node):

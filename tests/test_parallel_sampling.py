@@ -9,8 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from servers import start_pdserve
-from test_pd_pull import MODEL, NODE
+from test_pd_pull import MODEL
 
 from pdserve import SamplingParams
 
@@ -73,11 +72,9 @@ def test_every_sequence_reports_the_prompts_logprobs(llm_fp32):
             [r.logprob for r in alone.prompt_logprobs[1:]], abs=1e-4)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    child = start_pdserve(["serve", *NODE], tmp_path_factory.mktemp("n"), "node")
-    yield child
-    child.stop()
+@pytest.fixture
+def node(fp32_node):
+    return fp32_node
 
 
 def stream_choices(url: str, body: dict) -> tuple[dict[int, str], list[dict]]:

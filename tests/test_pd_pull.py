@@ -11,13 +11,10 @@ import time
 import httpx
 import openai
 import pytest
-from servers import Procs, free_port, metric, start_pdserve, wait_for_metric
+from servers import MODEL, NODE, Procs, free_port, metric, start_pdserve, wait_for_metric
 
 from pdserve.procinfo import alive, children
 from pdserve.procs import ProcessGroup, up_child
-
-MODEL = "SmolLM2-135M-Instruct"
-NODE = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.15"]
 
 
 def long_text() -> str:

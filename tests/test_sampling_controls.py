@@ -10,8 +10,7 @@ import httpx
 import pytest
 import torch
 from helpers import make_request
-from servers import start_pdserve
-from test_pd_pull import MODEL, NODE
+from test_pd_pull import MODEL
 
 from pdserve import SamplingParams
 from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -125,17 +124,13 @@ def test_min_tokens_holds_back_eos_and_stop_strings(llm_fp32):
     assert out.token_ids[5] == eos and eos not in out.token_ids[:5] and out.finish_reason == "stop"
 
 
-def test_a_node_serves_the_controls_and_refuses_what_it_cannot(tmp_path):
-    node = start_pdserve(["serve", *NODE], tmp_path, "node")
-    try:
-        ask = {"model": MODEL, "prompt": "The cat sat on the mat. The cat", "max_tokens": 12, "temperature": 0}
-        plain = httpx.post(node.url + "/v1/completions", json=ask, timeout=60).json()["choices"][0]["text"]
-        penalized = httpx.post(node.url + "/v1/completions", timeout=60,
-                               json={**ask, "repetition_penalty": 1.5, "frequency_penalty": 1.0})
-        assert penalized.status_code == 200 and penalized.json()["choices"][0]["text"] != plain
-        for body, param in (({**ask, "best_of": 2}, "best_of"), ({**ask, "logit_bias": {"999999": 1}}, "logit_bias"),
-                            ({**ask, "min_tokens": 20}, "min_tokens")):
-            refused = httpx.post(node.url + "/v1/completions", json=body, timeout=60)
-            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
-    finally:
-        node.stop()
+def test_a_node_serves_the_controls_and_refuses_what_it_cannot(fp32_node):
+    url = fp32_node.url + "/v1/completions"
+    ask = {"model": MODEL, "prompt": "The cat sat on the mat. The cat", "max_tokens": 12, "temperature": 0}
+    plain = httpx.post(url, json=ask, timeout=60).json()["choices"][0]["text"]
+    penalized = httpx.post(url, timeout=60, json={**ask, "repetition_penalty": 1.5, "frequency_penalty": 1.0})
+    assert penalized.status_code == 200 and penalized.json()["choices"][0]["text"] != plain
+    for body, param in (({**ask, "best_of": 2}, "best_of"), ({**ask, "logit_bias": {"999999": 1}}, "logit_bias"),
+                        ({**ask, "min_tokens": 20}, "min_tokens")):
+        refused = httpx.post(url, json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

@@ -11,8 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from servers import start_pdserve
-from test_pd_pull import MODEL, NODE
+from test_pd_pull import MODEL
 
 from pdserve import SamplingParams
 from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -119,11 +118,9 @@ def test_logprobs_stay_the_models_under_a_grammar(llm_fp32):
     assert "maybe".startswith(llm_fp32.tokenizer.decode([masked.token_id])) and masked.token_id != free.token_id
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    child = start_pdserve(["serve", *NODE], tmp_path_factory.mktemp("structured"), "node")
-    yield child
-    child.stop()
+@pytest.fixture
+def node(fp32_node):
+    return fp32_node
 
 
 def test_a_node_serves_response_format_and_guided_fields(node):

@@ -10,8 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from servers import start_pdserve
-from test_pd_pull import MODEL, NODE
+from test_pd_pull import MODEL
 
 from pdserve.api.openai_protocol import ChatCompletionRequest
 from pdserve.api.tools import ToolCallStream, ToolUse, parse_tool_calls
@@ -105,11 +104,9 @@ def test_a_template_without_tools_gets_them_the_hermes_way():
             {"function": {"name": "f", "arguments": "{oops"}}]}]).template_inputs(False)
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    node = start_pdserve(["serve", *NODE], tmp_path_factory.mktemp("tools"), "node")
-    yield openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0)
-    node.stop()
+@pytest.fixture
+def client(fp32_node):
+    return openai.OpenAI(base_url=fp32_node.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_a_tool_call_round_trip_with_the_openai_client(client):
