@@ -173,6 +173,16 @@ class ToolCallStream:
         self.called = False  # a call has begun: later text outside calls is not content
         self.sent = 0  # calls sent so far (parallel_tool_calls false: one at most)
 
+    def delta(self, text: str, finished: bool, reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """One output's part of the stream: the content to send, the calls (as OpenAI's deltas) and,
+        at the end, the finish reason."""
+        content, calls = self.feed(text)
+        if finished:
+            rest, more = self.finish()
+            content, calls = content + rest, calls + more
+        deltas = [call.to_openai(self.sent - len(calls) + i) for i, call in enumerate(calls)]
+        return content, deltas, self.use.finish_reason(reason, self.sent > 0) if finished else None
+
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """Content to send now, and the calls this delta completed."""
         content, calls = self._feed(delta)

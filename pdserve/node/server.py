@@ -305,13 +305,7 @@ class NodeServer:
                     seq.last = out
                     text, calls, finish_reason = out.text_delta, [], out.finish_reason if out.finished else None
                     if seq.tools is not None:  # content until a call begins; each call once it is whole
-                        text, calls = seq.tools.feed(text)
-                        if out.finished:
-                            rest, more = seq.tools.finish()
-                            text, calls = text + rest, calls + more
-                        calls = [call.to_openai(seq.tools.sent - len(calls) + i) for i, call in enumerate(calls)]
-                        if out.finished:
-                            finish_reason = answer.tools.finish_reason(out.finish_reason, seq.tools.sent > 0)
+                        text, calls, finish_reason = seq.tools.delta(text, out.finished, out.finish_reason)
                     if text or calls or out.finished:
                         logprobs = None
                         if out.logprobs is not None:  # every token since the last chunk, held-back text or not
