@@ -72,6 +72,27 @@ def test_sampling_controls_and_logprobs_through_push_and_pull_equal_colocated(cl
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of", (mode, refused.text)
 
 
+def test_a_stop_string_across_tokens_through_push_and_pull(cluster):
+    """The end of one token and the start of the next as a stop string: D stops where the colocated
+    node stops, whole and streamed (the held-back text never leaks into the stream)."""
+    ask = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    free = httpx.post(cluster["both"].url + "/v1/completions", json={**ask, "logprobs": 0}, timeout=120).json()
+    text, tokens = free["choices"][0]["text"], free["choices"][0]["logprobs"]["tokens"]
+    i = next(i for i in range(2, len(tokens)) if len(tokens[i - 1]) >= 2 and len(tokens[i]) >= 2)
+    stop = tokens[i - 1][-2:] + tokens[i][:2]
+    expected = text[: text.index(stop)]
+    for mode in ("push", "pull"):
+        got = httpx.post(cluster[mode].url + "/v1/completions", json={**ask, "stop": [stop]}, timeout=120).json()
+        assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (expected, "stop"), mode
+        streamed = ""
+        with httpx.stream("POST", cluster[mode].url + "/v1/completions", json={**ask, "stop": [stop], "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        assert streamed == expected, mode
+
+
 def test_echo_and_prompt_logprobs_come_from_p_through_push_and_pull(cluster):
     """lm-evaluation-harness's scoring call through the proxy: P computes the prompt and reports its
     logprobs, D the answer; the proxy puts P's part first. Equal to the colocated node's, whole and
