@@ -152,7 +152,25 @@ def cmd_up(args: argparse.Namespace) -> int:
         parse_goodput(args.slo)  # a bad --slo stops here, not in the proxy after the nodes started
     if args.mode == "auto" and not args.profile:
         raise ValueError("--mode auto needs --profile (make one with `pdserve profile --quick --out profile.json`)")
+    args.placement, args.ray_placement = split_placement(args.placement or [], args.ray is not None)
+    if args.ray is not None:
+        if args.ray_cpus <= 0:
+            raise ValueError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
+        from pdserve.raycluster.up import run_up_ray
+
+        return run_up_ray(args)
     return run_up(args)
+
+
+def split_placement(values: list[str], ray: bool) -> tuple[str, str]:
+    """`pdserve up --placement` values: (auto mode's rule, --ray's actor placement), defaults cost and spread."""
+    rules = [v for v in values if v not in RAY_PLACEMENTS]
+    spread = [v for v in values if v in RAY_PLACEMENTS]
+    if spread and not ray:
+        raise ValueError(f"--placement {spread[0]} places Ray actors: it needs --ray")
+    if len(rules) > 1 or len(spread) > 1:
+        raise ValueError(f"--placement takes one rule and (with --ray) one of spread / pack, got {values}")
+    return (rules or ["cost"])[0], (spread or ["spread"])[0]
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -245,10 +263,18 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) ->
     parser.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
 
 
-def add_placement_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--placement", default="cost", choices=Placer.RULES,
-                        help="auto: pdserve's cost-based choice, or a baseline rule: round_robin / least_loaded "
-                             "(always P when the decode node is a D), threshold (Dynamo's), scorers (llm-d's)")
+PLACEMENT_HELP = ("auto: pdserve's cost-based choice, or a baseline rule: round_robin / least_loaded (always P "
+                  "when the decode node is a D), threshold (Dynamo's), scorers (llm-d's)")
+RAY_PLACEMENTS = ("spread", "pack")
+
+
+def add_placement_args(parser: argparse.ArgumentParser, ray: bool = False) -> None:
+    if ray:  # `pdserve up`: the rule, and with --ray where the node actors go; either or both
+        parser.add_argument("--placement", action="append", choices=[*Placer.RULES, *RAY_PLACEMENTS],
+                            help=PLACEMENT_HELP + "; with --ray also spread (node actors across Ray nodes, the "
+                                 "default) or pack (onto as few as fit)")
+    else:
+        parser.add_argument("--placement", default="cost", choices=Placer.RULES, help=PLACEMENT_HELP)
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
                         help="auto, threshold / scorers: uncached prompt tokens past which a P node prefills")
     parser.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS",
@@ -336,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")
     up.add_argument("--profile", default=None, metavar="JSON", help="auto: a `pdserve profile` of this machine")
     up.add_argument("--stall-weight", type=float, default=1.0, metavar="W", help="auto: see `pdserve proxy --help`")
-    add_placement_args(up)
+    add_placement_args(up, ray=True)
     up.add_argument("--colocated", type=int, default=0, metavar="N",
                     help="instead of P/D: N colocated (--role both) nodes behind the proxy")
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -352,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    up.add_argument("--ray", nargs="?", const="auto", default=None, metavar="auto|ADDRESS",
+                    help="run the nodes as Ray actors: auto (this machine's Ray cluster, or a new one) or a "
+                         "cluster's HOST:PORT; needs pip install 'pdserve[ray]'")
+    up.add_argument("--ray-cpus", type=float, default=1.0, metavar="N", help="--ray: CPUs each node reserves")
+    up.add_argument("--ray-max-restarts", type=int, default=3, metavar="N",
+                    help="--ray: how often Ray restarts a node actor that dies (-1: always)")
     add_guard_args(up)
     up.set_defaults(func=cmd_up)
 

@@ -22,30 +22,65 @@ def plan_cores(num_nodes: int) -> list[int | None]:
     return [None] * num_nodes
 
 
+def node_roles(args) -> list[str]:
+    """The nodes `pdserve up` starts, by role."""
+    colocated = args.colocated or getattr(args, "nodes", None)
+    return ["both"] * colocated if colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+
+
+def node_command(args, model: str | None) -> list[str]:
+    """Every node's `pdserve serve` options from `pdserve up`'s (role, address and threads apart);
+    model None: each node resolves the embedded one."""
+    from pdserve.models.locate import default_model_name
+
+    command = ["--model", model] if model else []
+    command += ["--served-model-name", default_model_name(args.model), "--dtype", args.dtype,
+               "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory),
+               "--kv-transport", args.kv_transport, "--log-level", args.log_level,
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_model_len:
+        command += ["--max-model-len", str(args.max_model_len)]
+    if args.no_chunked_prefill:
+        command.append("--no-chunked-prefill")
+    return command
+
+
+def proxy_command(args, model_dir: str, host: str) -> list[str]:
+    """The proxy's `pdserve proxy` options from `pdserve up`'s, its nodes apart."""
+    command = ["proxy", "--host", host, "--port", str(args.port), "--policy", args.policy, "--log-level", args.log_level]
+    if args.max_waiting is not None:
+        command += ["--max-waiting", str(args.max_waiting)]
+    if args.colocated:
+        return command + ["--mode", "colocated"]
+    if args.mode == "auto":
+        return command + ["--mode", "auto", "--profile", args.profile, "--model", model_dir,
+                          "--stall-weight", str(args.stall_weight), "--placement", args.placement,
+                          "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+                          *(["--slo", *args.slo] if args.slo else [])]
+    return command + ["--mode", args.mode]
+
+
+def node_flags(nodes: list[tuple[str, str]]) -> list[str]:
+    """The proxy's --prefill / --decode / --node lists for (role, url) pairs."""
+    flags = []
+    for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--node")):
+        urls = [url for r, url in nodes if r == role]
+        flags += [flag, *urls] if urls else []
+    return flags
+
+
 def run_up(args) -> int:
-    from pdserve.models.locate import default_model_name, resolve_model_dir
+    from pdserve.models.locate import resolve_model_dir
     from pdserve.platform import plan_kernels
 
     # Convert the model once here, so that the nodes do not race to fill the cache.
     model_dir = str(resolve_model_dir(args.model))
     plan = plan_kernels(args.dtype)  # what each node will choose on this machine (a bad setting stops us here)
-    auto_nodes = getattr(args, "nodes", None)
-    if args.colocated or auto_nodes:
-        roles = ["both"] * (args.colocated or auto_nodes)
-    else:
-        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    roles = node_roles(args)
     cores = plan_cores(len(roles))
-    node_args = ["--model", model_dir, "--served-model-name", default_model_name(args.model), "--dtype", args.dtype,
-                 "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory),
-                 "--kv-transport", args.kv_transport, "--log-level", args.log_level]
-    if args.max_model_len:
-        node_args += ["--max-model-len", str(args.max_model_len)]
-    node_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.no_chunked_prefill:
-        node_args.append("--no-chunked-prefill")
     nodes = [
         Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *(["--threads", "1"] if core is not None else []),
-                                           *node_args], core, role)
+                                           *node_command(args, model_dir)], core, role)
         for i, (role, core) in enumerate(zip(roles, cores))
     ]
     cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it
@@ -62,23 +97,7 @@ def run_up(args) -> int:
                  else f"{args.prefill} prefill + {args.decode} decode")
         print(f"pdserve up: starting {shape} node(s) (cores: {cores}) on {plan.describe()}", flush=True)
         cluster.launch(nodes, args.startup_timeout)
-        proxy_args = ["proxy", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
-                      "--log-level", args.log_level]
-        if args.max_waiting is not None:
-            proxy_args += ["--max-waiting", str(args.max_waiting)]
-        if args.colocated:
-            proxy_args += ["--mode", "colocated", "--node", *[n.url for n in nodes]]
-        elif args.mode == "auto":
-            proxy_args += ["--mode", "auto", "--profile", args.profile, "--model", model_dir,
-                           "--stall-weight", str(args.stall_weight), "--placement", args.placement,
-                           "--remote-prefill-threshold", str(args.remote_prefill_threshold),
-                           *(["--slo", *args.slo] if args.slo else [])]
-            for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--node")):
-                urls = [n.url for n in nodes if n.role == role]
-                proxy_args += [flag, *urls] if urls else []
-        else:
-            proxy_args += ["--mode", args.mode, "--prefill", *[n.url for n in nodes if n.role == "prefill"],
-                           "--decode", *[n.url for n in nodes if n.role == "decode"]]
+        proxy_args = proxy_command(args, model_dir, args.host) + node_flags([(n.role, n.url) for n in nodes])
         proxy = Child("proxy", proxy_args, f"http://{args.host}:{args.port}", None)
         cluster.launch([proxy], 60)
         print_ready(proxy.url, "colocated" if args.colocated else args.mode)

@@ -22,6 +22,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def on_this_host(host: str) -> bool:
+    """Whether `host` is an address of this machine (of this network namespace): loopback, or one
+    a socket here can bind. A peer advertising it shares this machine's memory."""
+    if is_loopback(host):
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
 class ShmTransport(Transport):
     name = "shm"
     copies_inline = True
@@ -34,7 +47,7 @@ class ShmTransport(Transport):
 
     @staticmethod
     def reaches(peer_host: str, peer_shm_name: str | None) -> bool:
-        return bool(peer_shm_name) and is_loopback(peer_host)
+        return bool(peer_shm_name) and on_this_host(peer_host)
 
     def serve_error(self) -> str | None:
         return None if self.pool.shm_name else "this node has no shared-memory KV pool"

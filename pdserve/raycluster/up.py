@@ -1,0 +1,180 @@
+"""`pdserve up --ray`: the P and D nodes as Ray actors across a Ray cluster's machines, the
+proxy on this one.
+
+- Connect: `--ray auto` joins the Ray cluster of this machine (RAY_ADDRESS, or the one `ray
+  start` left running) or, with none, starts one here; `--ray HOST:PORT` joins that cluster.
+- Place: one placement group with a bundle per node (`--ray-cpus` CPUs each), spread across the
+  Ray nodes or packed onto as few as fit (`--placement spread|pack`).
+- Start: a `NodeActor` per node (actor.py), each restarted by Ray up to `--ray-max-restarts` times.
+- Membership: the proxy (a child process here) reads a nodes file that this launcher rewrites
+  from Ray's view every second: an actor that does not answer is taken out; once Ray has
+  restarted it, its new address goes in. The proxy's health checks do the rest.
+- Stop (Ctrl-C, SIGTERM): the proxy, every actor (without restart) and the placement group go;
+  a Ray cluster started here is shut down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+from pdserve.launcher import node_command, node_roles, print_ready, proxy_command
+from pdserve.procs import Child, ProcessGroup, cluster_env
+from pdserve.raycluster.actor import NodeActor, NodeAddress
+
+RAY_MISSING = "pdserve up --ray needs Ray: pip install 'pdserve[ray]' (or pip install 'ray>=2.40,<3')"
+STRATEGIES = {"spread": "SPREAD", "pack": "PACK"}
+WATCH_S = 1.0  # how often membership is read from Ray
+ANSWER_S = 2.0  # an actor that does not say where it is within this is out of rotation
+
+
+def run_up_ray(args) -> int:
+    try:
+        import ray
+    except ImportError:
+        print(RAY_MISSING, file=sys.stderr)
+        return 2
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from pdserve.models.locate import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(args.model))  # the proxy's tokenizer (auto); converted once on this host
+    roles = node_roles(args)
+    # A cluster started here counts one logical CPU per node at least (as `pdserve up` runs more
+    # nodes than cores when it must).
+    started_here = connect(ray, args.ray, max(os.cpu_count() or 1, len(roles) * args.ray_cpus))
+    stop_requested = False
+
+    def request_stop(signum, frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
+    nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
+    try:
+        bundles = [{"CPU": args.ray_cpus}] * len(roles)
+        group = placement_group(bundles, strategy=STRATEGIES[args.ray_placement])
+        ready, _ = ray.wait([group.ready()], timeout=args.startup_timeout)
+        if not ready:
+            raise RuntimeError(f"the Ray cluster cannot place {len(roles)} node(s) of {args.ray_cpus} CPU(s) "
+                               f"({args.ray_placement}); it has {ray.cluster_resources().get('CPU', 0):g} CPUs "
+                               f"on {len(ray.nodes())} node(s)")
+        secret = secrets.token_hex(32)  # travels to the actors through Ray only
+        # Every host resolves the model itself (the embedded one, or a path that exists on each).
+        command = node_command(args, args.model)
+        remote = ray.remote(NodeActor)
+        for i, role in enumerate(roles):
+            options = dict(name=f"pdserve-{role}-{i}-{os.getpid()}", num_cpus=args.ray_cpus,
+                           max_restarts=args.ray_max_restarts, max_task_retries=0,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
+            actors.append(remote.options(**options).remote(f"{role}-{i}", role, command, secret, args.api_key,
+                                                           args.startup_timeout))
+        addresses = ray.get([a.address_of.remote() for a in actors], timeout=args.startup_timeout)
+        for a in addresses:
+            print(f"pdserve up --ray: {a.name} on {a.host}: {a.url}", flush=True)
+        host = proxy_host(args.host, addresses, args.mode, ray.util.get_node_ip_address())
+        write_nodes_file(nodes_file, addresses)
+        proxy_args = [*proxy_command(args, model_dir, host), "--nodes-file", nodes_file,
+                      "--meta-url", f"http://{host}:{args.port}/v1/kv/meta"]
+        proxy = Child("proxy", proxy_args, f"http://{host}:{args.port}", None)
+        proxies.launch([proxy], 60)
+        print_ready(proxy.url, "colocated" if args.colocated else args.mode)
+        watcher = Membership(actors, addresses)
+        while not stop_requested:
+            if not proxy.alive():
+                print(f"pdserve up --ray: the proxy exited with status {proxy.proc.returncode}; stopping",
+                      file=sys.stderr)
+                return 1
+            if watcher.poll(ray):
+                write_nodes_file(nodes_file, watcher.current())
+            time.sleep(WATCH_S)
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, ray.exceptions.RayError) as exc:
+        print(f"pdserve up --ray: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        proxies.stop()
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if group is not None:
+            remove_placement_group(group)
+        os.unlink(nodes_file)
+        if started_here:
+            ray.shutdown()
+
+
+def connect(ray: Any, address: str, num_cpus: int) -> bool:
+    """Join the Ray cluster at `address` (auto: this machine's, else a new one here, of num_cpus);
+    whether it was started here."""
+    quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
+    if address != "auto":
+        ray.init(address=address, **quiet)
+        return False
+    try:
+        ray.init(address="auto", **quiet)
+        return False
+    except ConnectionError:
+        ray.init(include_dashboard=False, num_cpus=num_cpus, **quiet)
+        return True
+
+
+def proxy_host(host: str, nodes: list[NodeAddress], mode: str, here: str) -> str:
+    """Where the proxy listens. Push mode needs the decode nodes to reach it (they announce their
+    blocks to it): on loopback, only if they all run on this machine."""
+    if mode == "push" and host in ("127.0.0.1", "localhost") and any(n.host != here for n in nodes):
+        raise RuntimeError(f"push mode across machines: decode nodes must reach the proxy; listen on this "
+                           f"machine's address (--host {here})")
+    return here if host in ("0.0.0.0", "::") else host
+
+
+def write_nodes_file(path: str, nodes: list[NodeAddress]) -> None:
+    """The proxy's nodes file (proxy/membership.py), replaced whole so it never reads half of one."""
+    listed: dict[str, list[str]] = {}
+    for n in nodes:
+        listed.setdefault({"both": "node"}.get(n.role, n.role), []).append(n.url)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(listed, f)
+    os.replace(tmp, path)
+
+
+class Membership:
+    """Which actors answer, and where: read from Ray once a second, without piling up calls on an
+    actor that is restarting (its pending call is reused until it answers or fails)."""
+
+    def __init__(self, actors: list, addresses: list[NodeAddress]) -> None:
+        self.actors = actors
+        self.addresses: list[NodeAddress | None] = list(addresses)
+        self.pending: dict[int, Any] = {}
+
+    def current(self) -> list[NodeAddress]:
+        return [a for a in self.addresses if a is not None]
+
+    def poll(self, ray: Any) -> bool:
+        """Ask every actor where it is; whether the membership changed."""
+        for i, actor in enumerate(self.actors):
+            if i not in self.pending:
+                self.pending[i] = actor.address_of.remote()
+        done, _ = ray.wait(list(self.pending.values()), num_returns=len(self.pending), timeout=ANSWER_S)
+        before = list(self.addresses)
+        for i, ref in list(self.pending.items()):
+            if ref in done:
+                del self.pending[i]
+                try:
+                    self.addresses[i] = ray.get(ref)
+                except ray.exceptions.RayError:  # died: out until Ray has restarted it
+                    self.addresses[i] = None
+            else:
+                self.addresses[i] = None  # not answering now: out of rotation
+        return self.addresses != before
