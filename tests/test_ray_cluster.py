@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from servers import MODEL, NODE, metric, wait_for_metric
+from servers import MODEL, NODE, free_port, metric, wait_for_metric
 
-from pdserve.benchmarks.netns import Hosts, RayOnHosts, why_not
+from pdserve.benchmarks.netns import Host, Hosts, RayOnHosts, why_not
 from pdserve.kv.transport.shm import on_this_host
 
 try:
@@ -36,27 +37,40 @@ def test_shm_only_reaches_peers_that_advertise_an_address_of_this_host():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def ray_hosts():
     reason = RAY_MISSING or why_not()
     if reason:
         pytest.skip(f"multi-host test needs network namespaces and Ray: {reason}")
-    log = tmp_path_factory.mktemp("ray") / "up.log"
-    with Hosts(2) as hosts, RayOnHosts(hosts, cpus=2):
-        head, worker = hosts
-        up = head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", f"{head.address}:6379",
-                         "--prefill", "1", "--decode", "2", "--placement", "spread", "--host", head.address,
-                         "--port", "8000", "--log-level", "info", *NODE],
-                        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=os.environ)
-        url = f"http://{head.address}:8000"
+    with Hosts(2) as hosts, RayOnHosts(hosts, cpus=4) as ray_cluster:  # both clusters of the tests fit
+        yield hosts, ray_cluster.address
+
+
+@contextmanager
+def up_on(head: Host, address: str, log: Path, port: int, *args: str):
+    """`pdserve up --ray` on the head's host; its proxy's URL once ready. Ctrl-C at the end."""
+    up = head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", address, "--host", head.address,
+                     "--port", str(port), "--log-level", "info", *args, *NODE],
+                    stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://{head.address}:{port}"
+    try:
+        wait_ready(url, up, log, 300)
+        yield url
+    finally:
+        up.send_signal(signal.SIGINT)
         try:
-            wait_ready(url, up, log, 300)
-            yield url, hosts, log
-        finally:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
+            assert up.wait(60) == 0, log.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_hosts, tmp_path_factory):
+    """1P2D, pull, spread over the two hosts."""
+    hosts, address = ray_hosts
+    log = tmp_path_factory.mktemp("ray") / "up.log"
+    with up_on(hosts[0], address, log, 8000, "--prefill", "1", "--decode", "2", "--placement", "spread") as url:
+        yield url, hosts, log
 
 
 def wait_ready(url: str, up: subprocess.Popen, log: Path, timeout_s: float) -> None:
@@ -104,8 +118,7 @@ def test_a_killed_actor_is_retried_around_restarted_and_back(cluster):
     decoders = [n["url"] for n in nodes(url) if n["role"] == "decode"]
     victim = decoders[0]
     port = victim.rsplit(":", 1)[1]
-    node_pid = next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                    if f"--port\x00{port}\x00" in _cmdline(pid) and "serve" in _cmdline(pid))
+    node_pid = next(pid for pid in _pids() if f"--port\x00{port}\x00" in _cmdline(pid) and "serve" in _cmdline(pid))
     actor_pid = int(Path(f"/proc/{node_pid}/stat").read_text().split(")")[1].split()[1])  # its parent: the actor
     os.kill(actor_pid, signal.SIGKILL)  # the actor dies; its node dies with it
     for p in PROMPTS * 2:  # the proxy retries each on the other decode node
@@ -128,5 +141,55 @@ def test_a_killed_actor_is_retried_around_restarted_and_back(cluster):
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def test_push_across_hosts_equals_one_node(ray_hosts, fp32_node, tmp_path):
+    """Push: D (on the other host) announces its blocks to the proxy, P writes each layer into them."""
+    hosts, address = ray_hosts
+    with up_on(hosts[0], address, tmp_path / "push.log", 8001, "--mode", "push", "--prefill", "1", "--decode", "1",
+               "--placement", "spread") as url:
+        listed = nodes(url)
+        assert len({re.match(r"http://([\d.]+):", n["url"]).group(1) for n in listed}) == 2  # one host each
+        assert [complete(url, p) for p in PROMPTS] == [complete(fp32_node.url, p) for p in PROMPTS]
+
+
+def test_without_ray_up_says_how_to_get_it(tmp_path):
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")  # as if not installed
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--ray"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert done.returncode == 2 and "pip install 'pdserve[ray]'" in done.stderr, done.stderr
+
+
+def test_one_machine_ray_packed_and_gone_after_ctrl_c(tmp_path, fp32_node):
+    """`pdserve up --ray` with no cluster running starts one here; Ctrl-C leaves no actor, no Ray."""
+    if RAY_MISSING:
+        pytest.skip(RAY_MISSING)
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", "--placement", "pack", "--port",
+                           str(port), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, up, log, 300)
+        assert complete(url, PROMPTS[0]) == complete(fp32_node.url, PROMPTS[0])
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0, log.read_text()[-3000:]
+    here = os.readlink("/proc/self/ns/net")  # (the namespaced cluster of the other tests may still run)
+    assert not [pid for pid in _pids() if ("raylet" in _cmdline(pid) or "gcs_server" in _cmdline(pid))
+                and _netns(pid) == here]
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _netns(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
     except OSError:
         return ""

@@ -50,7 +50,7 @@ def block_layouts(mib: int) -> tuple[int, dict[str, list[int]]]:
     return 4 * n, {"contiguous": list(range(n)), "scattered": random.Random(0).sample(range(4 * n), n)}
 
 
-def serve_blocks(mib: int, repeats: int) -> None:
+def serve_blocks(mib: int, repeats: int, host: str) -> None:
     """The P process: a shared pool with random contents, holding every request until pulled.
 
     A separate interpreter (not multiprocessing), so it has its own shared-memory tracker as a
@@ -65,7 +65,7 @@ def serve_blocks(mib: int, repeats: int) -> None:
             for i in range(repeats):
                 held.hold(f"{t}-{layout}-{i}", ids)
     transports = Transports(pool)
-    sender = KVSender(pool, transports, held, KVStats(), "127.0.0.1", 0)
+    sender = KVSender(pool, transports, held, KVStats(), host, 0)
     print(sender.port, pool.shm_name, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     sender.close()
@@ -73,12 +73,15 @@ def serve_blocks(mib: int, repeats: int) -> None:
     pool.close()
 
 
-def bench_backends(mib: int, repeats: int) -> dict:
+def bench_backends(mib: int, repeats: int, transports: tuple[str, ...] = tuple(TRANSPORTS),
+                   host: str = "127.0.0.1", server_prefix: tuple[str, ...] = ()) -> dict:
+    """GB/s of each transport (and memcpy). The P process listens on `host`, started behind
+    `server_prefix` (e.g. `ip netns exec NS`: P on another host's network)."""
     pin_to(1)
     total, layouts = block_layouts(mib)
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.plan.measure", "--mib", str(mib),
-                             "--repeats", str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([*server_prefix, sys.executable, "-m", "pdserve.plan.measure", "--mib", str(mib),
+                             "--repeats", str(repeats), "--host", host], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     port, shm_name = proc.stdout.readline().split()
     local = KVPool(pool_shape(total), DTYPE, "cpu")
     transports, inbox = Transports(local), TransferInbox()
@@ -90,11 +93,11 @@ def bench_backends(mib: int, repeats: int) -> dict:
     try:
         for layout, ids in layouts.items():
             dst = rng.sample(range(total), n) if layout == "scattered" else list(range(n))
-            for transport in TRANSPORTS:
+            for transport in transports:
                 receiver.transport = transport
                 times = []
                 for i in range(repeats):
-                    spec = LoadSpec(f"d{i}", dst, ids, f"{transport}-{layout}-{i}", "127.0.0.1", int(port), shm_name)
+                    spec = LoadSpec(f"d{i}", dst, ids, f"{transport}-{layout}-{i}", host, int(port), shm_name)
                     start = time.perf_counter()
                     receiver.start(spec)
                     res = inbox.poll(timeout=60)
@@ -161,5 +164,6 @@ if __name__ == "__main__":  # the P side of bench_backends
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
-    serve_blocks(args.mib, args.repeats)
+    serve_blocks(args.mib, args.repeats, args.host)

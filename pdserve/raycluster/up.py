@@ -33,6 +33,7 @@ RAY_MISSING = "pdserve up --ray needs Ray: pip install 'pdserve[ray]' (or pip in
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK"}
 WATCH_S = 1.0  # how often membership is read from Ray
 ANSWER_S = 2.0  # an actor that does not say where it is within this is out of rotation
+WAIT_NOTE_S = 5.0  # a placement still pending after this is said to be waiting for CPUs
 
 
 def run_up_ray(args) -> int:
@@ -41,7 +42,7 @@ def run_up_ray(args) -> int:
     except ImportError:
         print(RAY_MISSING, file=sys.stderr)
         return 2
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from pdserve.models.locate import resolve_model_dir
@@ -62,13 +63,7 @@ def run_up_ray(args) -> int:
     group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
     nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
     try:
-        bundles = [{"CPU": args.ray_cpus}] * len(roles)
-        group = placement_group(bundles, strategy=STRATEGIES[args.ray_placement])
-        ready, _ = ray.wait([group.ready()], timeout=args.startup_timeout)
-        if not ready:
-            raise RuntimeError(f"the Ray cluster cannot place {len(roles)} node(s) of {args.ray_cpus} CPU(s) "
-                               f"({args.ray_placement}); it has {ray.cluster_resources().get('CPU', 0):g} CPUs "
-                               f"on {len(ray.nodes())} node(s)")
+        group = place(ray, len(roles), args.ray_cpus, args.ray_placement, args.startup_timeout)
         secret = secrets.token_hex(32)  # travels to the actors through Ray only
         # Every host resolves the model itself (the embedded one, or a path that exists on each).
         command = node_command(args, args.model)
@@ -112,6 +107,27 @@ def run_up_ray(args) -> int:
         os.unlink(nodes_file)
         if started_here:
             ray.shutdown()
+
+
+def place(ray: Any, nodes: int, cpus: float, strategy: str, timeout_s: float) -> Any:
+    """The placement group of the nodes' bundles, once Ray has placed it. A cluster too small for
+    it fails at once; one whose CPUs are taken by others is waited for, up to timeout_s."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    need, total = nodes * cpus, ray.cluster_resources().get("CPU", 0)
+    if need > total:
+        raise RuntimeError(f"the Ray cluster cannot place {nodes} node(s) of {cpus:g} CPU(s): it has {total:g} "
+                           f"CPUs on {len(ray.nodes())} node(s) (fewer --ray-cpus, or more Ray nodes)")
+    group = placement_group([{"CPU": cpus}] * nodes, strategy=STRATEGIES[strategy])
+    ready, _ = ray.wait([group.ready()], timeout=min(WAIT_NOTE_S, timeout_s))
+    if not ready:
+        free = ray.available_resources().get("CPU", 0)
+        print(f"pdserve up --ray: waiting for {need:g} free CPUs in the Ray cluster ({free:g} free now)", flush=True)
+        ready, _ = ray.wait([group.ready()], timeout=max(timeout_s - WAIT_NOTE_S, 0))
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"the Ray cluster did not free {need:g} CPUs for {nodes} node(s) in {timeout_s:.0f} s")
+    return group
 
 
 def connect(ray: Any, address: str, num_cpus: int) -> bool:
