@@ -47,14 +47,14 @@ def ray_hosts():
 
 @contextmanager
 def up_on(head: Host, address: str, log: Path, port: int, *args: str):
-    """`pdserve up --ray` on the head's host; its proxy's URL once ready. Ctrl-C at the end."""
+    """`pdserve up --ray` on the head's host: its proxy's URL once ready, and its pid. Ctrl-C at the end."""
     up = head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", address, "--host", head.address,
                      "--port", str(port), "--log-level", "info", *args, *NODE],
                     stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://{head.address}:{port}"
     try:
         wait_ready(url, up, log, 300)
-        yield url
+        yield url, up.pid
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -69,7 +69,7 @@ def cluster(ray_hosts, tmp_path_factory):
     """1P2D, pull, spread over the two hosts."""
     hosts, address = ray_hosts
     log = tmp_path_factory.mktemp("ray") / "up.log"
-    with up_on(hosts[0], address, log, 8000, "--prefill", "1", "--decode", "2", "--placement", "spread") as url:
+    with up_on(hosts[0], address, log, 8000, "--prefill", "1", "--decode", "2", "--placement", "spread") as (url, _):
         yield url, hosts, log
 
 
@@ -145,14 +145,34 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_push_across_hosts_equals_one_node(ray_hosts, fp32_node, tmp_path):
-    """Push: D (on the other host) announces its blocks to the proxy, P writes each layer into them."""
+@pytest.mark.parametrize("mode", ["push", "auto"])
+def test_push_and_auto_across_hosts_equal_one_node_and_leave_nothing_behind(ray_hosts, fp32_node, tmp_path, mode):
+    """Push: D (on the other host) announces its blocks to the proxy, P writes each layer into them.
+    Auto: the proxy places each request (docs/results/profile.json). After Ctrl-C no actor and no
+    placement group of pdserve's is left in the Ray cluster."""
     hosts, address = ray_hosts
-    with up_on(hosts[0], address, tmp_path / "push.log", 8001, "--mode", "push", "--prefill", "1", "--decode", "1",
-               "--placement", "spread") as url:
+    extra = ["--profile", str(PROFILE)] if mode == "auto" else []
+    with up_on(hosts[0], address, tmp_path / "up.log", 8001, "--mode", mode, "--prefill", "1", "--decode", "1",
+               "--placement", "spread", *extra) as (url, pid):
         listed = nodes(url)
         assert len({re.match(r"http://([\d.]+):", n["url"]).group(1) for n in listed}) == 2  # one host each
         assert [complete(url, p) for p in PROMPTS] == [complete(fp32_node.url, p) for p in PROMPTS]
+    left = hosts[0].run([sys.executable, "-c", LEFTOVERS, address, f"-{pid}"], capture_output=True, text=True,
+                        timeout=120)
+    assert left.stdout.split()[-2:] == ["0", "0"], left.stdout + left.stderr
+
+
+# One `pdserve up`'s actors still alive and placement groups not removed (their names end in its
+# pid), as the Ray cluster's GCS knows them.
+LEFTOVERS = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+mine = lambda name: (name or "").endswith(sys.argv[2])
+actors = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD" and mine(a["Name"])]
+groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED" and mine(g["name"])]
+print(len(actors), len(groups))
+"""
+PROFILE = Path(__file__).parents[1] / "docs" / "results" / "profile.json"
 
 
 def test_without_ray_up_says_how_to_get_it(tmp_path):

@@ -118,7 +118,7 @@ def place(ray: Any, nodes: int, cpus: float, strategy: str, timeout_s: float) ->
     if need > total:
         raise RuntimeError(f"the Ray cluster cannot place {nodes} node(s) of {cpus:g} CPU(s): it has {total:g} "
                            f"CPUs on {len(ray.nodes())} node(s) (fewer --ray-cpus, or more Ray nodes)")
-    group = placement_group([{"CPU": cpus}] * nodes, strategy=STRATEGIES[strategy])
+    group = placement_group([{"CPU": cpus}] * nodes, strategy=STRATEGIES[strategy], name=f"pdserve-{os.getpid()}")
     ready, _ = ray.wait([group.ready()], timeout=min(WAIT_NOTE_S, timeout_s))
     if not ready:
         free = ray.available_resources().get("CPU", 0)
