@@ -84,7 +84,7 @@ def run_up_ray(args) -> int:
         proxy = Child("proxy", proxy_args, f"http://{host}:{args.port}", None)
         proxies.launch([proxy], 60)
         print_ready(proxy.url, "colocated" if args.colocated else args.mode)
-        watcher = Membership(actors, addresses)
+        watcher = RayMembership(actors, addresses)
         while not stop_requested:
             if not proxy.alive():
                 print(f"pdserve up --ray: the proxy exited with status {proxy.proc.returncode}; stopping",
@@ -165,7 +165,7 @@ def write_nodes_file(path: str, nodes: list[NodeAddress]) -> None:
     os.replace(tmp, path)
 
 
-class Membership:
+class RayMembership:
     """Which actors answer, and where: read from Ray once a second, without piling up calls on an
     actor that is restarting (its pending call is reused until it answers or fails)."""
 
