@@ -1,0 +1,78 @@
+"""Which KV heads each tensor-parallel rank holds, and where a decode rank reads its heads from when
+P and D run different TP sizes (the rule of vLLM's NixlConnector).
+
+A model with K KV heads under TP t:
+- t <= K: rank r holds the contiguous heads [r K/t, (r + 1) K/t) (t divides K);
+- t > K: each rank holds one head, head r // (t/K) (K divides t): every head is replicated t/K times.
+
+`read_plan(K, tp_p, tp_d)` is a pure function of the three numbers (property-tested in
+tests/test_tp_plan.py). Each D rank reads each of its heads from the P rank "in proportion",
+p = d tp_p // tp_d, when that rank holds it, else from a copy chosen by d; so:
+- same TP: rank i reads all of rank i;
+- D's TP larger: D rank r reads its slice from P rank r // (tp_d / tp_p);
+- D's TP smaller: D rank r reads from the several P ranks whose heads it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def check_tp(tp: int, num_heads: int, num_kv_heads: int) -> None:
+    """ValueError unless TP `tp` splits the model's heads evenly (replicating KV heads if it must)."""
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+    if num_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"tensor parallel size {tp} must divide the model's {num_kv_heads} KV heads or be a "
+                         "multiple of them (then each KV head is replicated)")
+
+
+def kv_heads(rank: int, tp: int, num_kv_heads: int) -> range:
+    """The global KV heads rank `rank` of TP `tp` holds, in the order of its pool."""
+    if tp <= num_kv_heads:
+        per_rank = num_kv_heads // tp
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+@dataclass(frozen=True)
+class HeadRead:
+    """D rank `d_rank` copies P rank `p_rank`'s local heads `p_heads` into its local heads `d_heads`."""
+
+    d_rank: int
+    p_rank: int
+    p_heads: range
+    d_heads: range
+
+
+def read_plan(num_kv_heads: int, tp_p: int, tp_d: int) -> list[HeadRead]:
+    """Every D rank's reads, in D rank order, each a run of consecutive heads from one P rank."""
+    plan: list[HeadRead] = []
+    for d in range(tp_d):
+        for local, head in enumerate(kv_heads(d, tp_d, num_kv_heads)):
+            p = _source(head, d, num_kv_heads, tp_p, tp_d)
+            p_local = head - kv_heads(p, tp_p, num_kv_heads).start
+            last = plan[-1] if plan else None
+            if last and last.d_rank == d and last.p_rank == p and last.p_heads.stop == p_local:
+                plan[-1] = HeadRead(d, p, range(last.p_heads.start, p_local + 1),
+                                    range(last.d_heads.start, local + 1))
+            else:
+                plan.append(HeadRead(d, p, range(p_local, p_local + 1), range(local, local + 1)))
+    return plan
+
+
+def _source(head: int, d: int, num_kv_heads: int, tp_p: int, tp_d: int) -> int:
+    """The P rank D rank d reads `head` from: the proportional one if it holds it, else a copy by d."""
+    proportional = d * tp_p // tp_d
+    if head in kv_heads(proportional, tp_p, num_kv_heads):
+        return proportional
+    holders = [p for p in range(tp_p) if head in kv_heads(p, tp_p, num_kv_heads)]
+    return holders[d % len(holders)]
+
+
+def readers(plan: list[HeadRead], p_rank: int) -> set[int]:
+    """The D ranks that read from P rank `p_rank`: P frees a request's blocks once all have."""
+    return {r.d_rank for r in plan if r.p_rank == p_rank}
