@@ -28,7 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_dtype_arg(parser)
     add_quantization_arg(parser)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice; with TP, each rank's share of the cores)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="ranks (processes) that split the model's heads and MLP and the KV pool (--role both)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB", help="KV pool size in GiB")
     parser.add_argument("--block-size", type=int, default=16)
@@ -57,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         quantization=args.quantization,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         kv_cache_memory_gib=args.kv_cache_memory,
         block_size=args.block_size,

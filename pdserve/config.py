@@ -127,6 +127,7 @@ class EngineConfig:
     device: str = "cpu"
     kernels: str | None = None  # auto | portable; None = $PDSERVE_KERNELS, else auto
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    tensor_parallel_size: int = 1  # ranks, each a process holding its slice of the model and KV pool
     block_size: int = 16
     kv_cache_memory_gib: float = 0.5
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)
@@ -146,6 +147,8 @@ class EngineConfig:
         kernel_mode(self.kernels)  # a bad value (or $PDSERVE_KERNELS) is an error now, not at load
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

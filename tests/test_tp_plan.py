@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.kv.tp_plan import HeadRead, check_tp, kv_heads, read_plan, readers
+from pdserve.kv.tp_plan import HeadRead, read_plan, readers
+from pdserve.models.parallel import check_tp, kv_heads
 
 
 def valid_tps(num_kv_heads: int) -> list[int]:

@@ -16,6 +16,7 @@ from pdserve.engine.grammar import Grammars
 from pdserve.engine.model_runner import ModelRunner, is_decode
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.tp_workers import RankSpec, TPWorkers, tp_threads
 from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
 from pdserve.kv.events import KVEventLog
 from pdserve.kv.holds import HeldBlocks
@@ -27,6 +28,7 @@ from pdserve.kv.transport import uses_shared_pool
 from pdserve.models.loader import kv_cache_spec, load_model
 from pdserve.models.locate import resolve_model_dir
 from pdserve.models.native import native_ops
+from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import resolve_quantization
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import plan_kernels
@@ -40,8 +42,12 @@ MAX_DEFAULT_MODEL_LEN = 8192
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        # TP ranks share the machine's cores: each takes its share unless told (oversubscribed, every
+        # all-reduce waits for the slowest rank).
+        self.threads = config.threads or (tp_threads(config.tensor_parallel_size)
+                                          if config.tensor_parallel_size > 1 else None)
+        if self.threads:
+            torch.set_num_threads(self.threads)
         # dtype and kernels from what the device supports; a slower path asked for is said once here.
         self.plan = plan_kernels(config.dtype, config.device, config.kernels)
         logger.info("kernels: %s", self.plan.describe())
@@ -57,7 +63,12 @@ class LLMEngine:
         )
 
         self.grammars = Grammars(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids)  # structured output
-        self.kv_spec = kv_cache_spec(mc, dtype)  # the model says what it keeps per token
+        # Tensor parallelism: this process is rank 0 (it schedules); ranks 1.. are started below.
+        self.tp = TensorParallel(0, config.tensor_parallel_size)
+        self.tp.check(mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
+        if self.tp.size > 1 and config.kv_transfer.role != "both":
+            raise ValueError("tensor parallelism on a prefill or decode node is not supported yet (--role both)")
+        self.kv_spec = kv_cache_spec(mc, dtype, self.tp)  # the model says what it keeps per token (this rank's heads)
         bytes_per_block = config.block_size * self.kv_spec.bytes_per_token
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
         capacity = num_blocks * config.block_size
@@ -84,8 +95,13 @@ class LLMEngine:
 
         # Weight-only quantization for decode: `auto` serves a Q4 GGUF as int4 (models/quantization.py).
         self.quantization = resolve_quantization(config.quantization, mc.gguf_weight_type, config.device)
+        self.tp_workers = None
+        if self.tp.size > 1:
+            self.tp_workers = TPWorkers(RankSpec(str(self.model_dir), dtype, config.device, self.max_model_len,
+                                                 self.plan.prepack, self.quantization, self.plan.compiled, num_blocks,
+                                                 config.block_size, self.threads), self.tp.size)
         model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack,
-                           quantization=self.quantization)
+                           quantization=self.quantization, tp=self.tp)
         kv = config.kv_transfer
         # P and D keep their pools in shared memory when a transport may need it (shm: a peer on
         # this host copies blocks with one memcpy, D out of P's pool, P into D's).
@@ -115,7 +131,7 @@ class LLMEngine:
         if ops is not None:
             model.use_native_kernels(ops)
         self.model_runner = ModelRunner(model, self.pool, config.device,
-                                        ops.paged_decode_attention if ops is not None else None)
+                                        ops.paged_decode_attention if ops is not None else None, self.tp_workers)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(
@@ -201,6 +217,10 @@ class LLMEngine:
         """Abort a request (all n of its sequences); their final outputs, none if it is unknown."""
         return self.scheduler.abort(request_id)
 
+    def ranks_alive(self) -> bool:
+        """Whether every TP rank's process is running (a node whose rank died is unhealthy at once)."""
+        return self.tp_workers is None or self.tp_workers.alive()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -263,7 +283,9 @@ class LLMEngine:
         return outputs + self.scheduler.update_from_output(scheduled, sampled)
 
     def close(self) -> None:
-        """Release the side channel and the shared-memory pool (a prefill node's)."""
+        """Release the side channel, the shared-memory pool (a prefill node's) and the other TP ranks."""
         if self.connector_worker is not None:
             self.connector_worker.close()
+        if self.tp_workers is not None:
+            self.tp_workers.close()
         self.pool.close()

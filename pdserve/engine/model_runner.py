@@ -8,14 +8,17 @@ from pdserve.engine.logits import apply_logit_controls
 from pdserve.engine.logprobs import token_logprobs
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.tp_workers import TPWorkers
 from pdserve.kv.pool import KVPool
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk
 from pdserve.models.llama import LayerHook
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, decode_kernel: DecodeKernel | None = None):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, decode_kernel: DecodeKernel | None = None,
+                 tp_workers: TPWorkers | None = None):
         self.model = model
+        self.tp_workers = tp_workers  # TP: the other ranks run each step's forward pass with this one
         self.decode_kernel = decode_kernel  # None: SDPA over gathered blocks
         self.pool = pool
         self.block_size = pool.block_size
@@ -31,6 +34,8 @@ class ModelRunner:
         # Decodes first, shortest context first: they share batched SDPAs by groups of similar length.
         batch = sorted(out.scheduled, key=lambda s: (not is_decode(s), s.request.num_computed_tokens))
         input_ids, positions, meta = self._prepare(batch)
+        if self.tp_workers is not None:
+            self.tp_workers.step(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
         self._prompt_logprobs(batch, hidden)
         samplers, last_index, offset = [], [], 0

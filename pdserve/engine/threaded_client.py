@@ -77,7 +77,7 @@ class ThreadedEngineClient(EngineClient):
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._thread.is_alive() and self._error is None and self.engine.ranks_alive()
 
     def stats(self) -> EngineStats:
         # Transfer counters move between steps (side-channel threads): read them now.

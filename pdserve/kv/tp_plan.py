@@ -1,9 +1,6 @@
-"""Which KV heads each tensor-parallel rank holds, and where a decode rank reads its heads from when
-P and D run different TP sizes (the rule of vLLM's NixlConnector).
-
-A model with K KV heads under TP t:
-- t <= K: rank r holds the contiguous heads [r K/t, (r + 1) K/t) (t divides K);
-- t > K: each rank holds one head, head r // (t/K) (K divides t): every head is replicated t/K times.
+"""Where a decode rank reads its KV heads from when P and D run different TP sizes (the rule of
+vLLM's NixlConnector). Which heads each rank holds is the model's layout (models/parallel.py:
+`kv_heads`).
 
 `read_plan(K, tp_p, tp_d)` is a pure function of the three numbers (property-tested in
 tests/test_tp_plan.py). Each D rank reads each of its heads from the P rank "in proportion",
@@ -17,25 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def check_tp(tp: int, num_heads: int, num_kv_heads: int) -> None:
-    """ValueError unless TP `tp` splits the model's heads evenly (replicating KV heads if it must)."""
-    if tp < 1:
-        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
-    if num_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} does not divide the model's {num_heads} attention heads")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(f"tensor parallel size {tp} must divide the model's {num_kv_heads} KV heads or be a "
-                         "multiple of them (then each KV head is replicated)")
-
-
-def kv_heads(rank: int, tp: int, num_kv_heads: int) -> range:
-    """The global KV heads rank `rank` of TP `tp` holds, in the order of its pool."""
-    if tp <= num_kv_heads:
-        per_rank = num_kv_heads // tp
-        return range(rank * per_rank, (rank + 1) * per_rank)
-    head = rank // (tp // num_kv_heads)
-    return range(head, head + 1)
+from pdserve.models.parallel import kv_heads
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, paged_attention
 from pdserve.models.kv_spec import KVCacheSpec
+from pdserve.models.parallel import SINGLE, TensorParallel
 from pdserve.models.quantization import MAX_QUANTIZED_ROWS, QuantizedWeight, can_quantize, quantize
 
 logger = logging.getLogger(__name__)
@@ -143,11 +144,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp  # this rank's heads only; o_proj's partial sums are all-reduced
+        self.num_heads, self.num_kv_heads = len(tp.heads(cfg.num_heads)), len(tp.kv_heads(cfg.num_kv_heads))
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -164,32 +167,34 @@ class Attention(nn.Module):
         qk = rotate(qk)  # q and k heads rotated in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.flatten(1), meta.num_decodes)
+        return self.tp.all_reduce(self.o_proj(out.flatten(1), meta.num_decodes))
 
 
 class MLP(nn.Module):
     native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp  # this rank's slice of the intermediate size; down_proj's partial sums are all-reduced
+        rows = len(tp.rows(cfg.intermediate_size))
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * rows, bias=cfg.mlp_bias)
+        self.down_proj = Linear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, decode_rows)
         if self.native is not None:
-            return self.down_proj(self.native.silu_and_mul(gate_up), decode_rows)
+            return self.tp.all_reduce(self.down_proj(self.native.silu_and_mul(gate_up), decode_rows))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, decode_rows)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up, decode_rows))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotate: Rotation, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -202,15 +207,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     @classmethod
-    def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:
-        """K and V of every layer, per KV head (what paged_attention reads and writes)."""
-        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
+        """K and V of every layer, per KV head this rank holds (what paged_attention reads and writes)."""
+        return KVCacheSpec(cfg.num_layers, len(tp.kv_heads(cfg.num_kv_heads)), cfg.head_dim, dtype)
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = cfg
+        tp.check(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+        self.config, self.tp = cfg, tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -278,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights, fusing q/k/v and gate/up into this model's projections."""
+        """Load HF-named weights: this rank's slices (TP), q/k/v and gate/up fused into this model's
+        projections."""
         own: dict[str, torch.Tensor] = {}
         for name, tensor in weights.items():
             if "rotary_emb" in name:
@@ -287,18 +294,31 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             own[name] = tensor
-        for i in range(self.config.num_layers):
+        cfg, tp = self.config, self.tp
+        q, kv, mlp = (_rows(tp.heads(cfg.num_heads), cfg.head_dim), _rows(tp.kv_heads(cfg.num_kv_heads), cfg.head_dim),
+                      _rows(tp.rows(cfg.intermediate_size), 1))
+        for i in range(cfg.num_layers):
             p = f"layers.{i}."
             for suffix in ("weight", "bias"):
                 parts = [own.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
-                if parts[0] is not None:
-                    own[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat(parts)
+                if parts[0] is not None:  # column-parallel: this rank's heads
+                    own[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat((parts[0][q], parts[1][kv], parts[2][kv]))
                 parts = [own.pop(f"{p}mlp.{n}_proj.{suffix}", None) for n in ("gate", "up")]
                 if parts[0] is not None:
-                    own[f"{p}mlp.gate_up_proj.{suffix}"] = torch.cat(parts)
+                    own[f"{p}mlp.gate_up_proj.{suffix}"] = torch.cat((parts[0][mlp], parts[1][mlp]))
+            if tp.size > 1:  # row-parallel: this rank's input columns; the bias added once (rank 0)
+                for name, cols in ((f"{p}self_attn.o_proj", q), (f"{p}mlp.down_proj", mlp)):
+                    own[f"{name}.weight"] = own[f"{name}.weight"][:, cols].contiguous()
+                    if f"{name}.bias" in own and tp.rank:
+                        own[f"{name}.bias"] = torch.zeros_like(own[f"{name}.bias"])
         missing, unexpected = self.load_state_dict(own, strict=False)
         self.tie_weights()
         if self.config.tie_word_embeddings:
             missing = [m for m in missing if m != "lm_head.weight"]
         if unexpected or missing:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+def _rows(part: range, size: int) -> slice:
+    """The rows of `part` (heads of `size` rows each) in a weight split along its first dimension."""
+    return slice(part.start * size, part.stop * size)

@@ -10,19 +10,22 @@ from safetensors import safe_open
 
 from pdserve.config import ModelConfig
 from pdserve.models.kv_spec import KVCacheSpec
+from pdserve.models.parallel import SINGLE, TensorParallel
 from pdserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
-def kv_cache_spec(config: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:
-    """The KV cache the model of `config` keeps, known before its weights are loaded (to size the pool)."""
-    return model_class(config.architecture).kv_cache_spec(config, dtype)
+def kv_cache_spec(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
+    """The KV cache the model of `config` keeps (on TP rank `tp`), known before its weights are
+    loaded (to size the pool)."""
+    return model_class(config.architecture).kv_cache_spec(config, dtype, tp)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int,
-               prepack: bool = False, quantization: str = "none") -> torch.nn.Module:
-    """The model with its weights in `dtype`; `prepack` re-lays its bf16 projections for oneDNN;
-    `quantization` (int4 | int8, resolved) quantizes them for decode, from float32."""
+               prepack: bool = False, quantization: str = "none", tp: TensorParallel = SINGLE) -> torch.nn.Module:
+    """The model (TP rank `tp`'s slices of it) with its weights in `dtype`; `prepack` re-lays its
+    bf16 projections for oneDNN; `quantization` (int4 | int8, resolved) quantizes them for decode,
+    from float32."""
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config.architecture)
     load_dtype = torch.float32 if quantization != "none" else dtype
@@ -37,7 +40,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
                 # Matrices take the compute dtype now; vectors (norms, biases) keep their precision.
                 weights[name] = tensor.to(load_dtype) if tensor.dim() > 1 else tensor
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, tp)
     model = model.to_empty(device=device)
     model.set_compute_dtype(load_dtype)
     model.load_hf_state_dict(weights)

@@ -1,0 +1,134 @@
+"""Tensor parallelism's other ranks. Rank 0 is the engine: it schedules, prepares each step's
+inputs (token ids, positions, attention metadata: the same for every rank, since every rank's KV
+pool has the same blocks, each holding that rank's heads), broadcasts them, runs its own slice of
+the forward pass and samples. Ranks 1..N-1 are spawned processes that load their slices of the
+model and of the KV pool and run each broadcast step; the model's all-reduces join them. So no
+rank schedules on its own, and none can drift.
+
+A rank that dies fails rank 0's next step (it checks the processes, and gloo the connections):
+the engine loop stops and the node reports unhealthy. A rank that hangs fails it after `TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pdserve.models.attention import AttentionMetadata, DecodeKernel
+from pdserve.models.parallel import TensorParallel
+
+TIMEOUT_S = 600.0  # a collective that waits longer fails (the first waits for every rank's model to load)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to build its slices: the same choices rank 0 made."""
+
+    model_dir: str
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    prepack: bool
+    quantization: str
+    compiled: bool  # pdserve's C++ kernels
+    num_blocks: int
+    block_size: int
+    threads: int | None
+
+
+def tp_threads(size: int) -> int:
+    """Each rank's share of this process's cores."""
+    return max(1, len(os.sched_getaffinity(0)) // size)
+
+
+def backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class TPWorkers:
+    """Ranks 1..size-1 of this engine's TP group; rank 0 (this process) joins the group here."""
+
+    def __init__(self, spec: RankSpec, size: int) -> None:
+        self.size = size
+        self._store = tempfile.NamedTemporaryFile(prefix="pdserve-tp-", delete=False).name
+        os.unlink(self._store)  # the file store creates it
+        init = f"file://{self._store}"
+        context = multiprocessing.get_context("spawn")
+        started = [context.Event() for _ in range(1, size)]
+        self.procs = [context.Process(target=_rank_main, args=(spec, rank, size, init, started[rank - 1]),
+                                      name=f"pdserve-tp-{rank}", daemon=True) for rank in range(1, size)]
+        for proc in self.procs:
+            proc.start()
+        # Join the group only once every rank is up: one that failed to start is an error now, not a
+        # rendezvous that waits for it until the timeout.
+        while not all(event.wait(0.1) for event in started):
+            self.check_alive()
+        dist.init_process_group(backend(spec.device), init_method=init, rank=0, world_size=size,
+                                timeout=timedelta(seconds=TIMEOUT_S))
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Send this step's inputs to every rank (each runs the forward with rank 0)."""
+        self.check_alive()
+        dist.broadcast_object_list([(input_ids, positions, replace(meta, decode_kernel=None))], src=0)
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor parallel rank {self.procs.index(proc) + 1} exited "
+                                   f"(status {proc.exitcode})")
+
+    def close(self) -> None:
+        if all(proc.is_alive() for proc in self.procs):
+            dist.broadcast_object_list([None], src=0)  # each rank leaves its loop
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        dist.destroy_process_group()
+        if os.path.exists(self._store):
+            os.unlink(self._store)
+
+
+def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None:
+    """A rank's process: its slices of the model and the pool, then every broadcast step."""
+    from pdserve.kv.pool import KVPool
+    from pdserve.models.loader import kv_cache_spec, load_model
+    from pdserve.models.native import native_ops
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    started.set()
+    dist.init_process_group(backend(spec.device), init_method=init, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    from pdserve.config import ModelConfig
+
+    tp = TensorParallel(rank, size)
+    model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
+                       quantization=spec.quantization, tp=tp)
+    pool = KVPool.for_model(kv_cache_spec(ModelConfig.from_dir(spec.model_dir), spec.dtype, tp), spec.num_blocks,
+                            spec.block_size, spec.device)
+    kernel: DecodeKernel | None = None
+    ops = native_ops() if spec.compiled else None
+    if ops is not None:
+        model.use_native_kernels(ops)
+        kernel = ops.paged_decode_attention
+    kv_caches = list(pool.tensor.unbind(0))
+    with torch.inference_mode():
+        while True:
+            received = [None]
+            dist.broadcast_object_list(received, src=0)
+            if received[0] is None:
+                break
+            input_ids, positions, meta = received[0]
+            model(input_ids, positions, kv_caches, replace(meta, decode_kernel=kernel))
+    dist.destroy_process_group()
