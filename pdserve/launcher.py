@@ -22,6 +22,18 @@ def plan_cores(num_nodes: int) -> list[int | None]:
     return [None] * num_nodes
 
 
+class StopSignal:
+    """Set by SIGINT / SIGTERM (Ctrl-C): `pdserve up` then stops everything it started."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGINT, self._set)
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum, frame) -> None:
+        self.requested = True
+
+
 def node_roles(args) -> list[str]:
     """The nodes `pdserve up` starts, by role."""
     colocated = args.colocated or getattr(args, "nodes", None)
@@ -84,14 +96,7 @@ def run_up(args) -> int:
         for i, (role, core) in enumerate(zip(roles, cores))
     ]
     cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it
-    stop_requested = False
-
-    def request_stop(signum, frame) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = StopSignal()
     try:
         shape = (f"{len(roles)} colocated" if roles[0] == "both"
                  else f"{args.prefill} prefill + {args.decode} decode")
@@ -101,7 +106,7 @@ def run_up(args) -> int:
         proxy = Child("proxy", proxy_args, f"http://{args.host}:{args.port}", None)
         cluster.launch([proxy], 60)
         print_ready(proxy.url, "colocated" if args.colocated else args.mode)
-        while not stop_requested:
+        while not stop.requested:
             dead = cluster.dead_child()
             if dead is not None:
                 print(f"pdserve up: {dead.name} exited with status {dead.proc.returncode}; stopping", file=sys.stderr)

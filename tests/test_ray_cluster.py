@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from servers import MODEL, NODE, free_port, metric, wait_for_metric
 
 from pdserve.benchmarks.netns import Host, Hosts, RayOnHosts, why_not
 from pdserve.kv.transport.shm import on_this_host
+from pdserve.models.locate import cache_root
 
 try:
     import ray  # noqa: F401
@@ -42,15 +45,15 @@ def ray_hosts():
     if reason:
         pytest.skip(f"multi-host test needs network namespaces and Ray: {reason}")
     with Hosts(2) as hosts, RayOnHosts(hosts, cpus=4) as ray_cluster:  # both clusters of the tests fit
-        yield hosts, ray_cluster.address
+        yield hosts, ray_cluster
 
 
 @contextmanager
-def up_on(head: Host, address: str, log: Path, port: int, *args: str):
+def up_on(head: Host, ray_cluster: RayOnHosts, log: Path, port: int, *args: str):
     """`pdserve up --ray` on the head's host: its proxy's URL once ready, and its pid. Ctrl-C at the end."""
-    up = head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", address, "--host", head.address,
+    up = head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", ray_cluster.address, "--host", head.address,
                      "--port", str(port), "--log-level", "info", *args, *NODE],
-                    stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                    stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_cluster.env)
     url = f"http://{head.address}:{port}"
     try:
         wait_ready(url, up, log, 300)
@@ -67,9 +70,9 @@ def up_on(head: Host, address: str, log: Path, port: int, *args: str):
 @pytest.fixture(scope="module")
 def cluster(ray_hosts, tmp_path_factory):
     """1P2D, pull, spread over the two hosts."""
-    hosts, address = ray_hosts
+    hosts, ray_cluster = ray_hosts
     log = tmp_path_factory.mktemp("ray") / "up.log"
-    with up_on(hosts[0], address, log, 8000, "--prefill", "1", "--decode", "2", "--placement", "spread") as (url, _):
+    with up_on(hosts[0], ray_cluster, log, 8000, "--prefill", "1", "--decode", "2", "--placement", "spread") as (url, _):
         yield url, hosts, log
 
 
@@ -150,15 +153,15 @@ def test_push_and_auto_across_hosts_equal_one_node_and_leave_nothing_behind(ray_
     """Push: D (on the other host) announces its blocks to the proxy, P writes each layer into them.
     Auto: the proxy places each request (docs/results/profile.json). After Ctrl-C no actor and no
     placement group of pdserve's is left in the Ray cluster."""
-    hosts, address = ray_hosts
+    hosts, ray_cluster = ray_hosts
     extra = ["--profile", str(PROFILE)] if mode == "auto" else []
-    with up_on(hosts[0], address, tmp_path / "up.log", 8001, "--mode", mode, "--prefill", "1", "--decode", "1",
+    with up_on(hosts[0], ray_cluster, tmp_path / "up.log", 8001, "--mode", mode, "--prefill", "1", "--decode", "1",
                "--placement", "spread", *extra) as (url, pid):
         listed = nodes(url)
         assert len({re.match(r"http://([\d.]+):", n["url"]).group(1) for n in listed}) == 2  # one host each
         assert [complete(url, p) for p in PROMPTS] == [complete(fp32_node.url, p) for p in PROMPTS]
-    left = hosts[0].run([sys.executable, "-c", LEFTOVERS, address, f"-{pid}"], capture_output=True, text=True,
-                        timeout=120)
+    left = hosts[0].run([sys.executable, "-c", LEFTOVERS, ray_cluster.address, f"-{pid}"], capture_output=True,
+                        text=True, timeout=120, env=ray_cluster.env)
     assert left.stdout.split()[-2:] == ["0", "0"], left.stdout + left.stderr
 
 
@@ -189,16 +192,22 @@ def test_one_machine_ray_packed_and_gone_after_ctrl_c(tmp_path, fp32_node):
         pytest.skip(RAY_MISSING)
     port = free_port()
     log = tmp_path / "up.log"
+    # A Ray temp dir of its own: no other cluster of this machine is found (the namespaced one's head
+    # answers from here too).
+    ray_tmp = tempfile.mkdtemp(prefix="pdr", dir="/tmp")  # (and HOME: Ray leaves an auth token in ~/.ray)
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp, "HOME": ray_tmp,
+           "PDSERVE_CACHE_DIR": str(cache_root())}
     up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", "--placement", "pack", "--port",
-                           str(port), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+                           str(port), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, up, log, 300)
+        assert "started a Ray cluster on this machine" in log.read_text()
         assert complete(url, PROMPTS[0]) == complete(fp32_node.url, PROMPTS[0])
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0, log.read_text()[-3000:]
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     here = os.readlink("/proc/self/ns/net")  # (the namespaced cluster of the other tests may still run)
     assert not [pid for pid in _pids() if ("raylet" in _cmdline(pid) or "gcs_server" in _cmdline(pid))
                 and _netns(pid) == here]

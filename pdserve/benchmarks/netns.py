@@ -18,10 +18,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve.models.locate import cache_root
 
 NET = "198.18.0"
 BRIDGE_HOST = 254  # this namespace's address on the bridge
@@ -126,11 +129,17 @@ def kill_all(host: Host, grace_s: float = 5.0) -> None:
 
 class RayOnHosts:
     """A Ray cluster over the hosts: the head on the first, a worker on each other, `cpus` logical
-    CPUs each. A context manager; on exit every Ray process in the namespaces is stopped."""
+    CPUs each. A context manager; on exit every Ray process in the namespaces is stopped.
+
+    Its processes, and the drivers that join it, run with `env`: a HOME of their own, so that what
+    other Ray clusters of this machine left in ~/.ray (an auth token) does not reach them."""
 
     def __init__(self, hosts: list[Host], cpus: int, port: int = 6379, object_store_bytes: int = 100 * 2**20) -> None:
         self.hosts, self.cpus, self.port, self.store = hosts, cpus, port, object_store_bytes
         self.ray = str(Path(sys.executable).with_name("ray"))
+        self.home = tempfile.mkdtemp(prefix="pdserve-ray-home-")
+        # pdserve's cache (converted models, built kernels) stays where it is.
+        self.env = {**os.environ, "HOME": self.home, "PDSERVE_CACHE_DIR": str(cache_root())}
 
     @property
     def address(self) -> str:
@@ -139,7 +148,7 @@ class RayOnHosts:
     def _start(self, host: Host, *args: str) -> None:
         common = ["--node-ip-address", host.address, "--num-cpus", str(self.cpus), "--object-store-memory",
                   str(self.store), "--disable-usage-stats"]
-        done = host.run([self.ray, "start", *args, *common], capture_output=True, text=True, timeout=180)
+        done = host.run([self.ray, "start", *args, *common], capture_output=True, text=True, timeout=180, env=self.env)
         if done.returncode != 0:
             raise RuntimeError(f"ray start on {host.address} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
 
@@ -156,3 +165,4 @@ class RayOnHosts:
     def __exit__(self, *exc_info: object) -> None:
         for host in reversed(self.hosts):
             kill_all(host)
+        shutil.rmtree(self.home, ignore_errors=True)

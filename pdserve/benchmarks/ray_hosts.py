@@ -37,10 +37,10 @@ PORT = 8000
 NODE = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.5"]
 
 
-def start_up(head: Host, address: str, prefill: int, decode: int, log: str) -> subprocess.Popen:
-    return head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", address, "--prefill", str(prefill),
-                       "--decode", str(decode), "--placement", "spread", "--host", head.address, "--port", str(PORT),
-                       *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def start_up(head: Host, ray_cluster: RayOnHosts, prefill: int, decode: int, log: str) -> subprocess.Popen:
+    return head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", ray_cluster.address, "--prefill",
+                       str(prefill), "--decode", str(decode), "--placement", "spread", "--host", head.address,
+                       "--port", str(PORT), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_cluster.env)
 
 
 def wait_healthy(url: str, up: subprocess.Popen, nodes: int, log: str, timeout_s: float = 300) -> float:
@@ -112,7 +112,7 @@ def main() -> None:
         head, url = hosts[0], f"http://{hosts[0].address}:{PORT}"
         startups = []
         for _ in range(args.repeats):
-            up = start_up(head, ray_cluster.address, 1, 1, log)
+            up = start_up(head, ray_cluster, 1, 1, log)
             try:
                 startups.append(wait_healthy(url, up, 2, log))
             finally:
@@ -120,7 +120,7 @@ def main() -> None:
         res["startup_s"] = startups
         res["transfer"] = transfer(hosts, args.mib, args.repeats)
         for prefill, decode in ((1, 1), (1, 2)):
-            up = start_up(head, ray_cluster.address, prefill, decode, log)
+            up = start_up(head, ray_cluster, prefill, decode, log)
             try:
                 wait_healthy(url, up, prefill + decode, log)
                 res[f"{prefill}P{decode}D"] = bench(url, args.num_prompts)

@@ -19,13 +19,13 @@ import json
 import logging
 import os
 import secrets
-import signal
+import socket
 import sys
 import tempfile
 import time
 from typing import Any
 
-from pdserve.launcher import node_command, node_roles, print_ready, proxy_command
+from pdserve.launcher import StopSignal, node_command, node_roles, print_ready, proxy_command
 from pdserve.procs import Child, ProcessGroup, cluster_env
 from pdserve.raycluster.actor import NodeActor, NodeAddress
 
@@ -34,6 +34,7 @@ STRATEGIES = {"spread": "SPREAD", "pack": "PACK"}
 WATCH_S = 1.0  # how often membership is read from Ray
 ANSWER_S = 2.0  # an actor that does not say where it is within this is out of rotation
 WAIT_NOTE_S = 5.0  # a placement still pending after this is said to be waiting for CPUs
+HEAD_ANSWER_S = 2.0  # a recorded Ray head that does not accept a connection within this is stale
 
 
 def run_up_ray(args) -> int:
@@ -52,14 +53,7 @@ def run_up_ray(args) -> int:
     # A cluster started here counts one logical CPU per node at least (as `pdserve up` runs more
     # nodes than cores when it must).
     started_here = connect(ray, args.ray, max(os.cpu_count() or 1, len(roles) * args.ray_cpus))
-    stop_requested = False
-
-    def request_stop(signum, frame) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = StopSignal()
     group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
     nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
     try:
@@ -85,7 +79,7 @@ def run_up_ray(args) -> int:
         proxies.launch([proxy], 60)
         print_ready(proxy.url, "colocated" if args.colocated else args.mode)
         watcher = RayMembership(actors, addresses)
-        while not stop_requested:
+        while not stop.requested:
             if not proxy.alive():
                 print(f"pdserve up --ray: the proxy exited with status {proxy.proc.returncode}; stopping",
                       file=sys.stderr)
@@ -134,15 +128,33 @@ def connect(ray: Any, address: str, num_cpus: int) -> bool:
     """Join the Ray cluster at `address` (auto: this machine's, else a new one here, of num_cpus);
     whether it was started here."""
     quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
-    if address != "auto":
+    if address == "auto":
+        address = running_cluster()
+    if address is not None:
         ray.init(address=address, **quiet)
+        print(f"pdserve up --ray: joined the Ray cluster at {address}", flush=True)
         return False
+    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **quiet)
+    print("pdserve up --ray: started a Ray cluster on this machine", flush=True)
+    return True
+
+
+def running_cluster() -> str | None:
+    """The Ray cluster this machine runs, as Ray finds it ($RAY_ADDRESS, or the head address `ray
+    start` leaves in Ray's temp dir), if its head answers; None otherwise (a stale address too)."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        try:
+            with open(os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "ray_current_cluster")) as f:
+                address = f.read().strip()
+        except OSError:
+            return None
+    host, _, port = address.rpartition(":")
     try:
-        ray.init(address="auto", **quiet)
-        return False
-    except ConnectionError:
-        ray.init(include_dashboard=False, num_cpus=num_cpus, **quiet)
-        return True
+        socket.create_connection((host, int(port)), timeout=HEAD_ANSWER_S).close()
+    except (OSError, ValueError):
+        return None
+    return address
 
 
 def proxy_host(host: str, nodes: list[NodeAddress], mode: str, here: str) -> str:
