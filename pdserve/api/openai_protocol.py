@@ -29,8 +29,9 @@ NOT_SERVED: dict[str, Callable[[Any], bool]] = {
     "functions": _set, "function_call": lambda v: _set(v) and v != "none",
     "audio": _set, "modalities": lambda v: _set(v) and v != ["text"], "prediction": _set,
 }
-# vLLM's structured_outputs keys, and the backends whose place llguidance takes.
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's constraints with a value (structured_outputs keys, guided_* fields), besides its json_object
+# flag; and the backends whose place llguidance takes.
+VALUED_KINDS = ("json", "regex", "choice", "grammar")
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 _unknown_logged: set[str] = set()
 
@@ -122,15 +123,14 @@ class _SamplingFields(BaseModel):
             asked += _response_format(self.response_format)
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            unknown = sorted(set(so) - set(STRUCTURED_KINDS))
+            unknown = sorted(set(so) - {*VALUED_KINDS, "json_object"})
             if unknown:
                 raise InvalidParameter("structured_outputs", f"structured_outputs.{unknown[0]} is not supported by "
-                                                             f"this server; it takes one of {list(STRUCTURED_KINDS)}")
-            asked += [StructuredOutputs(k, so[k], "structured_outputs") for k in STRUCTURED_KINDS[:4]
-                      if so.get(k) is not None]
+                                                             f"this server; it takes one of {[*VALUED_KINDS, 'json_object']}")
+            asked += [StructuredOutputs(k, so[k], "structured_outputs") for k in VALUED_KINDS if so.get(k) is not None]
             if so.get("json_object"):
                 asked.append(StructuredOutputs("json_object", None, "structured_outputs"))
-        for kind in STRUCTURED_KINDS[:4]:
+        for kind in VALUED_KINDS:
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 asked.append(StructuredOutputs(kind, value, f"guided_{kind}"))
