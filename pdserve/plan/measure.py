@@ -73,9 +73,9 @@ def serve_blocks(mib: int, repeats: int, host: str) -> None:
     pool.close()
 
 
-def bench_backends(mib: int, repeats: int, transports: tuple[str, ...] = tuple(TRANSPORTS),
+def bench_backends(mib: int, repeats: int, names: tuple[str, ...] = tuple(TRANSPORTS),
                    host: str = "127.0.0.1", server_prefix: tuple[str, ...] = ()) -> dict:
-    """GB/s of each transport (and memcpy). The P process listens on `host`, started behind
+    """GB/s of the transports `names` (and memcpy). The P process listens on `host`, started behind
     `server_prefix` (e.g. `ip netns exec NS`: P on another host's network)."""
     pin_to(1)
     total, layouts = block_layouts(mib)
@@ -93,7 +93,7 @@ def bench_backends(mib: int, repeats: int, transports: tuple[str, ...] = tuple(T
     try:
         for layout, ids in layouts.items():
             dst = rng.sample(range(total), n) if layout == "scattered" else list(range(n))
-            for transport in transports:
+            for transport in names:
                 receiver.transport = transport
                 times = []
                 for i in range(repeats):
