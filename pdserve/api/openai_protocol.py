@@ -139,8 +139,9 @@ class _SamplingFields(BaseModel):
                                    f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)}, "
                                    f"got {self.guided_decoding_backend!r}")
         tools = self.tool_use()
-        if tools is not None and tools.structure() is not None:  # required / named: a schema forces the calls
-            asked.append(tools.structure())
+        forced = tools.structure() if tools is not None else None  # required / named: a schema forces the calls
+        if forced is not None:
+            asked.append(forced)
         if len(asked) > 1:
             raise InvalidParameter(asked[1].field, "one structured output constraint per request, got "
                                                    + " and ".join(f"{a.field} ({a.kind})" for a in asked))

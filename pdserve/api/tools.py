@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.sampling_params import InvalidParameter, StructuredOutputs
@@ -34,20 +34,19 @@ HERMES_PREAMBLE = (
 )
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (OpenAI's format)
-    id: str = ""
+    id: str = field(default_factory=new_call_id)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id or new_call_id(), "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -100,11 +99,11 @@ class ToolUse:
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The answer's content and tool calls."""
         if self.choice == "named":
-            return None, [ToolCall(self.name, text, new_call_id())]
+            return None, [ToolCall(self.name, text)]
         if self.choice == "required":
             try:
                 forced = json.loads(text)
-                return None, [ToolCall(c["name"], json.dumps(c["parameters"]), new_call_id()) for c in forced]
+                return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in forced]
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens: what came is content
                 return text, []
         content, calls = parse_tool_calls(text)
@@ -158,7 +157,7 @@ def _call(body: str) -> ToolCall | None:
         return None
     if not isinstance(name, str):
         return None
-    return ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments), new_call_id())
+    return ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
 class ToolCallStream:

@@ -81,6 +81,10 @@ class Hosts:
     def bridge(self) -> str:
         return f"pdbr{self.tag}"[:15]
 
+    def _veth(self, i: int, end: str) -> str:
+        """Host i's veth end: "o" on the bridge, "i" in its namespace (15 characters at most)."""
+        return f"pdv{self.tag}{end}{i}"[:15]
+
     def __enter__(self) -> list[Host]:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
@@ -90,7 +94,7 @@ class Hosts:
                 host = Host(f"pdserve-{self.tag}-{i}", f"{NET}.{i + 1}")
                 _ip("netns", "add", host.ns)
                 self.hosts.append(host)
-                outer, inner = f"pdv{self.tag}o{i}"[:15], f"pdv{self.tag}i{i}"[:15]
+                outer, inner = self._veth(i, "o"), self._veth(i, "i")
                 _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
                 _ip("link", "set", inner, "netns", host.ns)
                 _ip("link", "set", outer, "master", self.bridge)
@@ -106,9 +110,10 @@ class Hosts:
     def __exit__(self, *exc_info: object) -> None:
         for i, host in enumerate(self.hosts):
             kill_all(host)
+            # Both ends of the veth pair go now, not when the kernel gets round to freeing the namespace.
             with suppress(subprocess.CalledProcessError):
-                _ip("link", "del", f"pdv{self.tag}o{i}"[:15])  # both ends of the pair, now (not when the kernel
-            with suppress(subprocess.CalledProcessError):   # gets round to freeing the namespace)
+                _ip("link", "del", self._veth(i, "o"))
+            with suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", host.ns)
         with suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.bridge)

@@ -88,7 +88,7 @@ class TPWorkers:
                                    f"(status {proc.exitcode})")
 
     def close(self) -> None:
-        if all(proc.is_alive() for proc in self.procs):
+        if self.alive():
             dist.broadcast_object_list([None], src=0)  # each rank leaves its loop
         for proc in self.procs:
             proc.join(10)
@@ -101,6 +101,7 @@ class TPWorkers:
 
 def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None:
     """A rank's process: its slices of the model and the pool, then every broadcast step."""
+    from pdserve.config import ModelConfig
     from pdserve.kv.pool import KVPool
     from pdserve.models.loader import kv_cache_spec, load_model
     from pdserve.models.native import native_ops
@@ -110,8 +111,6 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     started.set()
     dist.init_process_group(backend(spec.device), init_method=init, rank=rank, world_size=size,
                             timeout=timedelta(seconds=TIMEOUT_S))
-    from pdserve.config import ModelConfig
-
     tp = TensorParallel(rank, size)
     model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
                        quantization=spec.quantization, tp=tp)

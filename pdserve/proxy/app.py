@@ -54,7 +54,6 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return len(text) // 4 + (max_tokens if isinstance(max_tokens, int) else 256) * sequences(body)
 
 
-
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         if config.policy not in POLICIES:
