@@ -154,6 +154,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         from pdserve.workload import parse_goodput
 
         parse_goodput(args.slo)  # a bad --slo stops here, not in the proxy after the nodes started
+    if args.prefill_tp != 1 or args.decode_tp != 1:
+        if args.colocated or args.nodes:
+            raise ValueError("--prefill-tp / --decode-tp size P and D nodes (not --colocated or --nodes)")
+        from pdserve.launcher import check_node_tp
+
+        check_node_tp(args)  # a TP size that cannot split the model stops here, before any node starts
     if args.mode == "auto" and not args.profile:
         raise ValueError("--mode auto needs --profile (make one with `pdserve profile --quick --out profile.json`)")
     args.placement, args.ray_placement = split_placement(args.placement or [], args.ray is not None)
@@ -360,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start proxy + prefill + decode nodes on this machine")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    up.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="tensor parallel size of each prefill node")
+    up.add_argument("--decode-tp", type=int, default=1, metavar="N", help="tensor parallel size of each decode node")
     up.add_argument("--mode", default="pull", choices=["pull", "push", "auto"],
                     help="auto: per request, prefill on a P node or on the node that decodes (needs --profile)")
     up.add_argument("--nodes", type=int, default=None, metavar="N",

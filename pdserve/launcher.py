@@ -40,6 +40,30 @@ def node_roles(args) -> list[str]:
     return ["both"] * colocated if colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
 
 
+def node_tp(args, role: str) -> int:
+    """The TP size of a node of `role`: --prefill-tp, --decode-tp (colocated nodes: 1)."""
+    return {"prefill": args.prefill_tp, "decode": args.decode_tp}.get(role, 1)
+
+
+def tp_flags(args, role: str) -> list[str]:
+    tp = node_tp(args, role)
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+
+
+def check_node_tp(args) -> None:
+    """ValueError naming the flag whose TP size cannot split the model (before any node starts)."""
+    from pdserve.config import ModelConfig
+    from pdserve.models.locate import resolve_model_dir
+    from pdserve.models.parallel import TensorParallel
+
+    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        try:
+            TensorParallel(0, tp).check(config.num_heads, config.num_kv_heads, config.intermediate_size)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {tp}: {exc}") from None
+
+
 def node_command(args, model: str | None) -> list[str]:
     """Every node's `pdserve serve` options from `pdserve up`'s (role, address and threads apart);
     model None: each node resolves the embedded one."""
@@ -89,17 +113,20 @@ def run_up(args) -> int:
     model_dir = str(resolve_model_dir(args.model))
     plan = plan_kernels(args.dtype)  # what each node will choose on this machine (a bad setting stops us here)
     roles = node_roles(args)
-    cores = plan_cores(len(roles))
+    # A TP node's ranks share the cores it may use: with TP, no node is pinned (each rank takes its
+    # share of the machine's cores).
+    tp = any(node_tp(args, role) > 1 for role in roles)
+    cores = [None] * len(roles) if tp else plan_cores(len(roles))
     nodes = [
         Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *(["--threads", "1"] if core is not None else []),
-                                           *node_command(args, model_dir)], core, role)
+                                           *tp_flags(args, role), *node_command(args, model_dir)], core, role)
         for i, (role, core) in enumerate(zip(roles, cores))
     ]
     cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it
     stop = StopSignal()
     try:
         shape = (f"{len(roles)} colocated" if roles[0] == "both"
-                 else f"{args.prefill} prefill + {args.decode} decode")
+                 else f"{args.prefill} prefill (TP {args.prefill_tp}) + {args.decode} decode (TP {args.decode_tp})")
         print(f"pdserve up: starting {shape} node(s) (cores: {cores}) on {plan.describe()}", flush=True)
         cluster.launch(nodes, args.startup_timeout)
         proxy_args = proxy_command(args, model_dir, args.host) + node_flags([(n.role, n.url) for n in nodes])

@@ -54,3 +54,26 @@ def fp32_node(tmp_path_factory):
     child = start_pdserve(["serve", *NODE], tmp_path_factory.mktemp("fp32-node"), "node")
     yield child
     child.stop()
+
+
+@pytest.fixture(scope="session")
+def random_llama(tmp_path_factory, smollm_dir):
+    """A seeded random Llama (8 heads, 2 KV heads, every bias): TP 2 splits its KV heads, TP 4
+    replicates each on two ranks."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                                      tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                                      bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random biases and norms: every row-parallel bias must be added exactly once
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("random-llama")
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / f, path / f)
+    return str(path)

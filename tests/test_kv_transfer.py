@@ -27,9 +27,9 @@ def prefill_side():
     pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
     held = HeldBlocks(timeout_s=60)
     held.hold("req-a", [3, 4, 5, 9])
-    transports = Transports(pool)
+    transports = Transports([pool])
     stats = KVStats()
-    sender = KVSender(pool, transports, held, stats, "127.0.0.1", 0, secret=b"right")
+    sender = KVSender(transports, held, stats, "127.0.0.1", 0, secret=b"right")
     yield pool, held, sender, stats
     sender.close()
     transports.close()
@@ -38,8 +38,8 @@ def prefill_side():
 
 def pull(sender: KVSender, shm_name, transport: str, secret: bytes, src, dst, request_id="req-a"):
     local = KVPool(SHAPE, torch.bfloat16, "cpu")
-    transports, stats, inbox = Transports(local), KVStats(), TransferInbox()
-    receiver = KVReceiver(local, transports, stats, inbox, transport, timeout_s=10, secret=secret)
+    transports, stats, inbox = Transports([local]), KVStats(), TransferInbox()
+    receiver = KVReceiver(transports, stats, inbox, transport, timeout_s=10, secret=secret)
     receiver.start(LoadSpec("d-1", dst, src, request_id, "127.0.0.1", sender.port, shm_name))
     result = inbox.poll(timeout=30)[0]
     receiver.close()

@@ -7,13 +7,11 @@ its node unhealthy and fails what it was doing; nothing hangs."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
 import httpx
 import pytest
-import torch
 from servers import MODEL, NODE, start_pdserve
 
 from pdserve import LLM, SamplingParams
@@ -38,27 +36,6 @@ def test_smollm2_at_tp3_equals_tp1(llm_fp32):
         same_outputs(tp3.generate(PROMPTS, GREEDY), llm_fp32.generate(PROMPTS, GREEDY))
     finally:
         tp3.engine.close()
-
-
-@pytest.fixture(scope="module")
-def random_llama(tmp_path_factory, smollm_dir):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                                      tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
-                                      bos_token_id=1, eos_token_id=2)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random biases and norms: every row-parallel bias must be added exactly once
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    path = tmp_path_factory.mktemp("random-llama")
-    model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_dir / f, path / f)
-    return str(path)
 
 
 def test_a_random_llama_at_tp2_and_tp4_equals_tp1(random_llama):

@@ -18,6 +18,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.results import TransferInbox
 from pdserve.kv.stats import KVStats
+from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport import TRANSPORTS, PeerPool, Transports, choose_transport, transport_class
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
@@ -47,8 +48,11 @@ def connection():
     accepted.close()
 
 
+WHOLE = Piece(0, range(SHAPE[4]), 0, range(SHAPE[4]))  # without TP: all heads, rank 0 to rank 0
+
+
 def peer(pool: KVPool) -> PeerPool:
-    return PeerPool("127.0.0.1", pool.shm_name, pool.num_blocks)
+    return PeerPool("127.0.0.1", (pool.shm_name,), pool.num_blocks)
 
 
 def only_blocks_written(pool: KVPool, blocks: list[int], layers: range) -> bool:
@@ -61,11 +65,11 @@ def only_blocks_written(pool: KVPool, blocks: list[int], layers: range) -> bool:
 @pytest.mark.parametrize("name", ALL)
 def test_read_lands_the_peers_blocks(name, pools, connection):
     owner, reader = pools
-    active, passive = transport_class(name)(reader), transport_class(name)(owner)
+    active, passive = transport_class(name)([reader]), transport_class(name)([owner])
     client, server = connection
     with ThreadPoolExecutor(1) as pool:
-        served = pool.submit(passive.serve_read, server, SRC, range(SHAPE[0]))
-        got = active.read(client, peer(owner), SRC, DST, range(SHAPE[0]))
+        served = pool.submit(passive.serve_read, server, WHOLE, SRC, range(SHAPE[0]))
+        got = active.read(client, peer(owner), WHOLE, SRC, DST, range(SHAPE[0]))
     active.close()
     assert got == served.result() == owner.nbytes(SRC) > 0
     assert torch.equal(reader.tensor[:, :, DST], owner.tensor[:, :, SRC])
@@ -75,12 +79,12 @@ def test_read_lands_the_peers_blocks(name, pools, connection):
 @pytest.mark.parametrize("name", ALL)
 def test_write_lands_one_layer_in_the_peers_blocks(name, pools, connection):
     owner, target = pools
-    active, passive = transport_class(name)(owner), transport_class(name)(target)
+    active, passive = transport_class(name)([owner]), transport_class(name)([target])
     client, server = connection
     layer = range(2, 3)
     with ThreadPoolExecutor(1) as pool:
-        served = pool.submit(passive.serve_write, server, DST, layer)
-        got = active.write(client, peer(target), SRC, DST, layer)
+        served = pool.submit(passive.serve_write, server, WHOLE, DST, layer)
+        got = active.write(client, peer(target), WHOLE, SRC, DST, layer)
     active.close()
     assert got == served.result() == owner.nbytes(SRC, layer) > 0
     assert torch.equal(target.tensor[2][:, DST], owner.tensor[2][:, SRC])
@@ -90,10 +94,10 @@ def test_write_lands_one_layer_in_the_peers_blocks(name, pools, connection):
 @pytest.mark.parametrize("name", ALL)
 def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
     owner, target = pools
-    p_transports, d_transports = Transports(owner), Transports(target)
+    p_transports, d_transports = Transports([owner]), Transports([target])
     p_stats, d_stats, inbox = KVStats(), KVStats(), TransferInbox()
-    receiver = PushReceiver(target, d_transports, d_stats, inbox, "127.0.0.1", 0)
-    sender = PushSender(owner, p_transports, p_stats, name, timeout_s=10)
+    receiver = PushReceiver(d_transports, d_stats, inbox, "127.0.0.1", 0)
+    sender = PushSender(p_transports, p_stats, name, timeout_s=10)
     try:
         receiver.expect("d-1", DST, timeout_s=30)
         push = PushTarget("d-1", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
@@ -118,9 +122,9 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
 @pytest.mark.parametrize("name", ALL)
 def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
     owner, target = pools
-    p_transports, d_transports = Transports(owner), Transports(target)
-    receiver = PushReceiver(target, d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
-    sender = PushSender(owner, p_transports, KVStats(), name, timeout_s=10)
+    p_transports, d_transports = Transports([owner]), Transports([target])
+    receiver = PushReceiver(d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
+    sender = PushSender(p_transports, KVStats(), name, timeout_s=10)
     try:
         push = PushTarget("nobody", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
         sender.begin_step([SaveSpec("p-1", push, SRC, DST, last=True)])

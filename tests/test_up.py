@@ -99,3 +99,35 @@ def test_a_bad_kernel_setting_stops_up_before_any_node_starts(tmp_path):
     assert run.stderr.strip().splitlines()[-1] == (
         "pdserve: error: kernels (PDSERVE_KERNELS) must be one of auto, portable, got 'fastest'")
     assert "starting" not in run.stdout
+
+
+def test_up_with_a_tp3_prefill_node_answers_the_readme_curl(tmp_path):
+    """--prefill-tp 3: SmolLM2's P node runs 3 ranks, its D node 1; the answer is the one-node one."""
+    up = up_child(["--kv-cache-memory", "0.15", "--dtype", "float32", "--prefill-tp", "3"],
+                  log_path=str(tmp_path / "up.log"))
+    up.start()
+    try:
+        ProcessGroup().wait_ready([up], 240)
+        answer = httpx.post(up.url + "/v1/chat/completions", json=CHAT, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        deadline = time.monotonic() + 10
+        nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
+        while not all(node["engine"] for node in nodes):
+            assert time.monotonic() < deadline, nodes
+            time.sleep(0.2)
+            nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
+        assert sorted((n["role"], n["engine"]["tensor_parallel_size"]) for n in nodes) == [
+            ("decode", "1"), ("prefill", "3")]
+    finally:
+        assert up.stop(grace_s=30) == 0
+    assert "1 prefill (TP 3) + 1 decode (TP 1)" in (tmp_path / "up.log").read_text()
+
+
+def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts():
+    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), "--decode-tp", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "pdserve: error: --decode-tp 2: tensor parallel size 2 does not divide the model's 9 attention heads")
+    assert "starting" not in run.stdout

@@ -66,8 +66,6 @@ class LLMEngine:
         # Tensor parallelism: this process is rank 0 (it schedules); ranks 1.. are started below.
         self.tp = TensorParallel(0, config.tensor_parallel_size)
         self.tp.check(mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
-        if self.tp.size > 1 and config.kv_transfer.role != "both":
-            raise ValueError("tensor parallelism on a prefill or decode node is not supported yet (--role both)")
         self.kv_spec = kv_cache_spec(mc, dtype, self.tp)  # the model says what it keeps per token (this rank's heads)
         bytes_per_block = config.block_size * self.kv_spec.bytes_per_token
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
@@ -95,18 +93,28 @@ class LLMEngine:
 
         # Weight-only quantization for decode: `auto` serves a Q4 GGUF as int4 (models/quantization.py).
         self.quantization = resolve_quantization(config.quantization, mc.gguf_weight_type, config.device)
-        self.tp_workers = None
-        if self.tp.size > 1:
-            self.tp_workers = TPWorkers(RankSpec(str(self.model_dir), dtype, config.device, self.max_model_len,
-                                                 self.plan.prepack, self.quantization, self.plan.compiled, num_blocks,
-                                                 config.block_size, self.threads), self.tp.size)
-        model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack,
-                           quantization=self.quantization, tp=self.tp)
         kv = config.kv_transfer
         # P and D keep their pools in shared memory when a transport may need it (shm: a peer on
-        # this host copies blocks with one memcpy, D out of P's pool, P into D's).
-        self.pool = KVPool.for_model(self.kv_spec, num_blocks, config.block_size, config.device,
-                                     shared=kv.role != "both" and uses_shared_pool(kv.transport))
+        # this host copies blocks with one memcpy, D out of P's pool, P into D's). With TP they
+        # always do, one pool per rank made here: this rank's connector moves every rank's share.
+        ranks_share_pools = kv.role != "both" and self.tp.size > 1
+        self.pools = [KVPool.for_model(self.kv_spec, num_blocks, config.block_size, config.device,
+                                       shared=kv.role != "both" and (uses_shared_pool(kv.transport) or ranks_share_pools))
+                      for _ in range(self.tp.size if ranks_share_pools else 1)]
+        self.pool = self.pools[0]
+        self.tp_workers = None
+        try:
+            if self.tp.size > 1:
+                self.tp_workers = TPWorkers(RankSpec(
+                    str(self.model_dir), dtype, config.device, self.max_model_len, self.plan.prepack,
+                    self.quantization, self.plan.compiled, num_blocks, config.block_size, self.threads,
+                    tuple(pool.shm_name for pool in self.pools) if ranks_share_pools else ()), self.tp.size)
+            model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack,
+                               quantization=self.quantization, tp=self.tp)
+        except BaseException:
+            for pool in self.pools:
+                pool.close()
+            raise
         self.engine_id = new_engine_id()
         self.kv_stats = KVStats()
         self.connector: KVConnectorScheduler | None = None
@@ -115,7 +123,7 @@ class LLMEngine:
             held = HeldBlocks(kv.hold_timeout_s)
             self.connector = KVConnectorScheduler(kv, config.block_size, held, self.engine_id)
             self.connector_worker = KVConnectorWorker(kv, held, self.kv_stats)
-            self.connector.advertised = self.connector_worker.register_kv_caches(self.pool)
+            self.connector.advertised = self.connector_worker.register_kv_caches(self.pools)
         self.kv_events = KVEventLog(config.block_size)
         self.decode_steps = DecodeSteps()
         self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
@@ -235,7 +243,8 @@ class LLMEngine:
 
     def labels(self) -> dict[str, str]:
         """How this engine computes: the kernel plan, the weights' quantization, the decode attention."""
-        return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention}
+        return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
+                "tensor_parallel_size": str(self.tp.size)}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""
@@ -288,4 +297,5 @@ class LLMEngine:
             self.connector_worker.close()
         if self.tp_workers is not None:
             self.tp_workers.close()
-        self.pool.close()
+        for pool in self.pools:
+            pool.close()

@@ -2,7 +2,8 @@
 inputs (token ids, positions, attention metadata: the same for every rank, since every rank's KV
 pool has the same blocks, each holding that rank's heads), broadcasts them, runs its own slice of
 the forward pass and samples. Ranks 1..N-1 are spawned processes that load their slices of the
-model and of the KV pool and run each broadcast step; the model's all-reduces join them. So no
+model and of the KV pool (on a P or D node, the pool rank 0 made for them in shared memory, which
+its KV connector reads and writes) and run each broadcast step; the model's all-reduces join them. So no
 rank schedules on its own, and none can drift.
 
 A rank that dies fails rank 0's next step (it checks the processes, and gloo the connections):
@@ -41,6 +42,7 @@ class RankSpec:
     num_blocks: int
     block_size: int
     threads: int | None
+    pool_shm_names: tuple[str, ...] = ()  # a node with a KV role: rank 0 made every rank's pool, by rank
 
 
 def tp_threads(size: int) -> int:
@@ -115,7 +117,8 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
                        quantization=spec.quantization, tp=tp)
     pool = KVPool.for_model(kv_cache_spec(ModelConfig.from_dir(spec.model_dir), spec.dtype, tp), spec.num_blocks,
-                            spec.block_size, spec.device)
+                            spec.block_size, spec.device,
+                            shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
     kernel: DecodeKernel | None = None
     ops = native_ops() if spec.compiled else None
     if ops is not None:

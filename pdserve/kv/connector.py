@@ -5,8 +5,11 @@ a remote P, records the blocks reserved for them, hands the worker side the load
 step (`ConnectorMetadata`), and on P decides that a finished request's blocks are held for a D
 and returns the `kv_transfer_params` the proxy forwards.
 
-Worker side (`KVConnectorWorker`): registers the KV pool with the transfer backend (P: the side
-channel server; D: the loader), starts loads, and reports finished sends and receives.
+Worker side (`KVConnectorWorker`): registers the KV pools with the transfer backend (P: the side
+channel server; D: the loader), starts loads, and reports finished sends and receives. It runs on
+TP rank 0 and moves every rank's share of the heads: the ranks' pools are in this host's shared
+memory, so the other ranks never take part in a transfer, and rank 0 alone decides when a
+request's KV has arrived or may be freed.
 """
 
 from __future__ import annotations
@@ -241,24 +244,25 @@ class KVConnectorWorker:
         self._announcer = ThreadPoolExecutor(2, thread_name_prefix="kv-announce")
         self._http = httpx.Client(timeout=config.wait_timeout_s)  # keep-alive to the proxy
 
-    def register_kv_caches(self, pool: KVPool) -> dict[str, Any]:
-        """Attach the pool to the transports; returns this node's side channel address."""
+    def register_kv_caches(self, pools: list[KVPool]) -> dict[str, Any]:
+        """Attach the pools (one per TP rank) to the transports; returns this node's side channel
+        address and TP size, for the peer's kv_transfer_params."""
         kv = self.config
         secret = resolve_secret(kv.secret)
-        self.transports = Transports(pool)
+        self.transports = Transports(pools)
         if kv.is_producer:
-            self.sender = KVSender(pool, self.transports, self.held, self.stats, kv.host, kv.port, secret)
-            self.pusher = PushSender(pool, self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
+            self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret)
+            self.pusher = PushSender(self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
             channel = self.sender
         elif kv.is_consumer:
-            self.receiver = KVReceiver(pool, self.transports, self.stats, self.inbox, kv.transport,
-                                       kv.wait_timeout_s, secret)
-            self.push_receiver = PushReceiver(pool, self.transports, self.stats, self.inbox, kv.host, kv.port,
+            self.receiver = KVReceiver(self.transports, self.stats, self.inbox, kv.transport, kv.wait_timeout_s, secret)
+            self.push_receiver = PushReceiver(self.transports, self.stats, self.inbox, kv.host, kv.port,
                                               kv.wait_timeout_s, secret)
             channel = self.push_receiver
         else:
             return {}
-        return {"remote_host": channel.host, "remote_port": channel.port, "remote_shm_name": pool.shm_name}
+        return {"remote_host": channel.host, "remote_port": channel.port, "remote_shm_name": pools[0].shm_name,
+                "tp_size": len(pools)}
 
     def start_load_kv(self, meta: ConnectorMetadata, advertised: dict[str, Any]) -> None:
         for spec in meta.loads:

@@ -1,15 +1,20 @@
 """The KV pool: one tensor `[layer, plane, block, slot, kv_head, head_dim]`, optionally in shared
 memory, shaped by the model's `KVCacheSpec` (planes are K and V for Llama-family attention).
 
-A block of one layer's plane is a contiguous `block_bytes` slice, so a transfer is a list of
-(offset, length) segments over the pool's bytes, in the canonical order (layer, plane, block).
+A block of one layer's plane is a contiguous `block_bytes` slice, so a transfer of whole blocks is
+a list of (offset, length) segments over the pool's bytes, in the canonical order (layer, plane,
+block); a transfer of some of the heads (between TP ranks that hold different heads) gathers them
+into that same order.
 """
 
 from __future__ import annotations
 
+import _posixshmem
 import math
+import mmap
+import os
 import uuid
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -19,13 +24,24 @@ from pdserve.models.kv_spec import KVCacheSpec
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
-def prefault(shm: shared_memory.SharedMemory) -> None:
+def prefault(mapping: mmap.mmap) -> None:
     """Map every page of a shared pool now, not on first touch during a transfer (a page fault per
     4 KiB otherwise lands in the middle of a prefill or a push)."""
     try:
-        shm._mmap.madvise(MADV_POPULATE_WRITE)  # noqa: SLF001
+        mapping.madvise(MADV_POPULATE_WRITE)
     except (AttributeError, OSError, ValueError):
         pass  # older kernels: pages are faulted in lazily
+
+
+def attach_shared(name: str) -> mmap.mmap:
+    """Map a shared-memory pool another process created, without multiprocessing's resource tracker:
+    Python 3.11 registers a name on attach, and unregistering it also drops the creator's
+    registration when both share a tracker (as a spawned TP rank does)."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
@@ -40,33 +56,49 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 
 class KVPool:
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: str, shared: bool = False) -> None:
+    """A KV pool in this process's memory, or (`shm_name`) one another process created in shared
+    memory: a TP rank's, or a peer's on this host. Only the creator unlinks a shared pool."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: str, shared: bool = False,
+                 model_kv_heads: int = 0, shm_name: str | None = None) -> None:
         self.shape = shape
         self.dtype = dtype
-        self.shm: shared_memory.SharedMemory | None = None
+        self.shm: shared_memory.SharedMemory | None = None  # ours, in shared memory
+        self._mapping: mmap.mmap | None = None  # the shared memory of our pool or another process's
+        self._shm_name = shm_name
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if shared and torch.device(device).type == "cpu":
+        if shm_name is not None:
+            self._mapping = attach_shared(shm_name)
+        elif shared and torch.device(device).type == "cpu":
             # A fresh shared-memory file is zero-filled, like torch.zeros below.
             self.shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"pdserve-kv-{uuid.uuid4().hex[:16]}")
-            prefault(self.shm)
-            self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+            self._mapping, self._shm_name = self.shm._mmap, self.shm.name  # noqa: SLF001
+        if self._mapping is not None:
+            if len(self._mapping) < nbytes:
+                raise ValueError(f"shared KV pool {shm_name} holds {len(self._mapping)} bytes, not {nbytes}")
+            prefault(self._mapping)
+            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_layers, self.num_planes, self.num_blocks, self.block_size = shape[:4]
+        self.num_layers, self.num_planes, self.num_blocks, self.block_size, self.num_kv_heads = shape[:5]
+        self.model_kv_heads = model_kv_heads or self.num_kv_heads  # this pool holds a TP rank's share of them
         self.block_bytes = nbytes // (self.num_layers * self.num_planes * self.num_blocks)
+        self.head_bytes = self.block_bytes // (self.block_size * self.num_kv_heads)  # one head of one slot
 
     @classmethod
     def for_model(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, device: str,
-                  shared: bool = False) -> KVPool:
-        return cls(spec.pool_shape(num_blocks, block_size), spec.dtype, device, shared)
+                  shared: bool = False, shm_name: str | None = None) -> KVPool:
+        return cls(spec.pool_shape(num_blocks, block_size), spec.dtype, device, shared, spec.model_kv_heads, shm_name)
 
     @property
     def shm_name(self) -> str | None:
-        return self.shm.name if self.shm is not None else None
+        return self._shm_name
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(self.num_layers, self.block_size, self.block_bytes, str(self.dtype).removeprefix("torch."))
+        """What a peer must agree on, whatever its TP size (its ranks hold other shares of the heads)."""
+        return KVLayout(self.num_layers, self.num_planes, self.block_size, self.model_kv_heads, self.head_bytes,
+                        str(self.dtype).removeprefix("torch."))
 
     def byte_view(self) -> memoryview:
         """The pool as flat bytes (CPU pools only): sockets send from and receive into it."""
@@ -85,43 +117,41 @@ class KVPool:
             for first, count in runs
         ]
 
-    def nbytes(self, block_ids: list[int], layers: range | None = None) -> int:
-        """Bytes of every plane of `block_ids` over `layers` (all by default)."""
+    def nbytes(self, block_ids: list[int], layers: range | None = None, heads: range | None = None) -> int:
+        """Bytes of every plane of `block_ids` over `layers` (all by default), of `heads` (all)."""
         num_layers = len(layers) if layers is not None else self.num_layers
-        return num_layers * self.num_planes * len(block_ids) * self.block_bytes
+        num_heads = len(heads) if heads is not None else self.num_kv_heads
+        return num_layers * self.num_planes * len(block_ids) * self.block_size * num_heads * self.head_bytes
+
+    # -- a run of KV heads (TP: a peer's rank holds other heads than ours) ------------------------
+
+    def holds_all(self, heads: range) -> bool:
+        return heads == range(self.num_kv_heads)
+
+    def heads_view(self, layers: range, heads: range) -> torch.Tensor:
+        """[layer, plane, block, slot, head, head_dim] of `layers` and `heads`: a view, no copy."""
+        return self.tensor[layers.start : layers.stop, :, :, :, heads.start : heads.stop]
+
+    def gather(self, block_ids: list[int], layers: range, heads: range) -> torch.Tensor:
+        """A contiguous copy of those heads of `block_ids`, in canonical order (layer, plane, block,
+        slot, head): the order `segments` gives for all heads, so either end may slice."""
+        return self.heads_view(layers, heads)[:, :, torch.tensor(block_ids)].contiguous()
+
+    def scatter(self, block_ids: list[int], layers: range, heads: range, data: torch.Tensor) -> None:
+        """Write what `gather` returns (from any pool of the same layout) into our `block_ids`."""
+        self.heads_view(layers, heads)[:, :, torch.tensor(block_ids)] = data
 
     def close(self) -> None:
-        if self.shm is not None:
-            del self.tensor
-            try:
-                self.shm.close()
-            except BufferError:  # a view is still alive; the mapping goes with the process
-                pass
-            self.shm.unlink()
-            self.shm = None
-
-
-class RemotePool:
-    """Another process's shared-memory pool, mapped read-only in spirit (we only copy out of it)."""
-
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.shm = shared_memory.SharedMemory(name=name, create=False)
-        # Only the creator may unlink it: stop this process's tracker from doing so at exit.
-        resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
-        prefault(self.shm)
-        count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=count).view(dtype).view(shape)
-
-    def copy_blocks(self, src_ids: list[int], dst: KVPool, dst_ids: list[int]) -> int:
-        """Copy blocks src_ids (here) into dst_ids (local pool); returns bytes copied."""
-        return copy_block_runs(self.tensor, src_ids, dst.tensor, dst_ids)
-
-    def close(self) -> None:
+        if self._mapping is None:
+            return
         del self.tensor
         try:
-            self.shm.close()
-        except BufferError:
+            (self.shm or self._mapping).close()
+        except BufferError:  # a view is still alive; the mapping goes with the process
             pass
+        if self.shm is not None:  # ours: only the creator unlinks
+            self.shm.unlink()
+        self.shm = self._mapping = None
 
 
 def copy_block_runs(src: torch.Tensor, src_ids: list[int], out: torch.Tensor, dst_ids: list[int]) -> int:

@@ -19,6 +19,12 @@ next layer.
 
 `transport` in `PullRequest` and `PushBegin` names a registered transport (kv/transport/); the
 passive side refuses one it does not serve.
+
+Tensor parallelism: each side names its TP size (D in `PullRequest` and its push `Ack`, P in
+`PullReply` and `PushBegin`), and both derive the same read plan from the two sizes
+(kv/tp_plan.py). A transfer moves the plan's pieces in plan order, each a run of KV heads from one
+P rank's pool to one D rank's; over tcp their bytes follow one another on the connection. The one
+connection carries every rank's share, so `PullDone` and `PushDone` come once every D rank has its data.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ MAX_FRAME = 1 << 20  # control messages are small; anything larger is a protocol
 
 
 class KVLayout(msgspec.Struct, frozen=True):
-    """What two nodes must agree on to exchange blocks byte for byte."""
+    """What two nodes must agree on to exchange blocks byte for byte, whatever their TP sizes."""
 
     num_layers: int
+    num_planes: int  # K and V
     block_size: int
-    block_bytes: int  # bytes of one block of one layer's K (or V)
+    num_kv_heads: int  # the model's (a TP rank holds a share)
+    head_bytes: int  # one KV head of one token in one plane
     dtype: str
 
 
@@ -45,13 +53,15 @@ class PullRequest(msgspec.Struct, tag=True):
     block_ids: list[int]  # P's block ids to read, in order
     transport: str  # a registered transport's name
     layout: KVLayout
+    tp_size: int = 1  # D's: with P's, it fixes the read plan (kv/tp_plan.py)
 
 
 class PullReply(msgspec.Struct, tag=True):
     ok: bool
     error: str | None = None
-    shm_name: str | None = None  # shm transport: P's pool to map
+    shm_names: list[str] = []  # shm transport: P's pools to map, by TP rank
     pool_num_blocks: int = 0
+    tp_size: int = 1  # P's
 
 
 class PullDone(msgspec.Struct, tag=True):
@@ -62,7 +72,9 @@ class PullDone(msgspec.Struct, tag=True):
 class Ack(msgspec.Struct, tag=True):
     ok: bool = True
     error: str | None = None
-    pool_num_blocks: int = 0  # D accepting a push: the size of its pool (an shm pusher maps it)
+    pool_num_blocks: int = 0  # D accepting a push: the size of its pools (an shm pusher maps them)
+    shm_names: list[str] = []  # D accepting a push: its pools, by TP rank
+    tp_size: int = 1  # D accepting a push: its TP size
 
 
 class PushBegin(msgspec.Struct, tag=True):
@@ -71,6 +83,7 @@ class PushBegin(msgspec.Struct, tag=True):
     request_id: str  # D's request id
     transport: str  # a registered transport's name
     layout: KVLayout
+    tp_size: int = 1  # P's
 
 
 class PushLayers(msgspec.Struct, tag=True):

@@ -6,6 +6,9 @@ waits for `PullDone` and releases the hold.
 
 D (`KVReceiver`): loads run on a small thread pool, never on the engine thread; each lands bytes
 straight into the request's pre-allocated blocks and reports a `TransferResult` to the inbox.
+
+With tensor parallelism both ends address every TP rank's pool (all in shared memory on the node's
+host), and one pull moves each rank's share of the heads by the read plan (kv/tp_plan.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from dataclasses import dataclass
 
 from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.holds import HeldBlocks
-from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.results import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
@@ -30,9 +32,9 @@ logger = logging.getLogger(__name__)
 class KVSender:
     """P's side channel server."""
 
-    def __init__(self, pool: KVPool, transports: Transports, held: HeldBlocks, stats: KVStats, host: str, port: int,
+    def __init__(self, transports: Transports, held: HeldBlocks, stats: KVStats, host: str, port: int,
                  secret: bytes = b"") -> None:
-        self.pool, self.transports, self.held, self.stats = pool, transports, held, stats
+        self.transports, self.held, self.stats = transports, held, stats
         self.channel = SideChannelServer(host, port, "kv-sender", (PullRequest, PullDone), self._serve, secret)
         self.host, self.port = host, self.channel.port
 
@@ -40,16 +42,24 @@ class KVSender:
         if isinstance(req, PullDone):  # opening with PullDone: D drops the request without pulling
             send_msg(conn, Ack(ok=self.held.release(req.request_id)))
             return
-        transport = self.transports.to_serve(req.transport, req.layout)
+        transport, plan = self.transports.to_serve(req.transport, req.layout), []
+        if not isinstance(transport, str):
+            try:
+                plan = self.transports.pieces(req.tp_size, producer=True)
+            except ValueError as exc:
+                transport = str(exc)
         error = transport if isinstance(transport, str) else self.held.pin(req.request_id, req.block_ids)
         if error:
             send_msg(conn, PullReply(ok=False, error=error))
             return
         done = False
+        pools = self.transports
         try:
             start = time.perf_counter()
-            send_msg(conn, PullReply(ok=True, shm_name=self.pool.shm_name, pool_num_blocks=self.pool.num_blocks))
-            sent = transport.serve_read(conn, req.block_ids, range(self.pool.num_layers))
+            send_msg(conn, PullReply(ok=True, shm_names=pools.shm_names, pool_num_blocks=pools.pool.num_blocks,
+                                     tp_size=pools.tp_size))
+            layers = range(pools.pool.num_layers)
+            sent = sum(transport.serve_read(conn, piece, req.block_ids, layers) for piece in plan)
             reply = recv_msg(conn)
             done = isinstance(reply, PullDone) and reply.ok
         finally:
@@ -78,9 +88,9 @@ class LoadSpec:
 class KVReceiver:
     """D's loader."""
 
-    def __init__(self, pool: KVPool, transports: Transports, stats: KVStats, inbox: TransferInbox, transport: str,
+    def __init__(self, transports: Transports, stats: KVStats, inbox: TransferInbox, transport: str,
                  timeout_s: float, secret: bytes = b"", max_workers: int = 4) -> None:
-        self.pool, self.transports, self.stats, self.inbox = pool, transports, stats, inbox
+        self.transports, self.stats, self.inbox = transports, stats, inbox
         self.transport = transport  # auto or a registered name
         self.secret = secret
         self.timeout_s = timeout_s
@@ -105,13 +115,17 @@ class KVReceiver:
 
     def _pull(self, spec: LoadSpec, transport: Transport) -> int:
         with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
-            send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport.name, self.pool.layout))
+            pools = self.transports
+            send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport.name, pools.pool.layout,
+                                       pools.tp_size))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:
                 raise ProtocolError(getattr(reply, "error", None) or "unexpected reply")
-            peer = PeerPool(spec.remote_host, reply.shm_name, reply.pool_num_blocks)
-            nbytes = transport.read(sock, peer, spec.remote_block_ids, spec.local_block_ids,
-                                    range(self.pool.num_layers))
+            peer = PeerPool(spec.remote_host, tuple(reply.shm_names), reply.pool_num_blocks, reply.tp_size)
+            layers = range(pools.pool.num_layers)
+            # Every D rank's share, piece by piece, over this one connection: PullDone means all have it.
+            nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids, spec.local_block_ids, layers)
+                         for piece in pools.pieces(reply.tp_size, producer=False))
             send_msg(sock, PullDone(spec.remote_request_id))
             if not isinstance(recv_msg(sock), Ack):
                 raise ProtocolError("P did not acknowledge the pull")

@@ -11,6 +11,10 @@ D (`PushReceiver`): listens on the side channel, accepts a session only for a re
 waiting for, lands each layer in that request's reserved blocks, and reports the arrival (or the
 failure) like a finished load. A D-side abort cancels the session; blocks are freed only once no
 session can write into them any more.
+
+With tensor parallelism each layer goes as the read plan's pieces (kv/tp_plan.py), one run of KV
+heads from a P rank's pool to a D rank's. Rank 0's hook may push every rank's layer: the layer's
+all-reduces have completed, so every rank has written that layer's KV.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.kv.channel import SideChannelServer, connect
-from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import (
     Ack,
     ProtocolError,
@@ -36,6 +39,7 @@ from pdserve.kv.protocol import (
 )
 from pdserve.kv.results import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
+from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport import PeerPool, Transport, Transports, choose_transport
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,7 @@ class _Session:
     sock: socket.socket | None = None
     transport: Transport | None = None
     peer: PeerPool | None = None
+    pieces: list[Piece] = field(default_factory=list)  # every D rank's share (kv/tp_plan.py)
     error: str | None = None
     nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -78,9 +83,9 @@ class _Session:
 class PushSender:
     """P's pusher. Sessions are opened and ended on the engine thread."""
 
-    def __init__(self, pool: KVPool, transports: Transports, stats: KVStats, transport: str, timeout_s: float,
+    def __init__(self, transports: Transports, stats: KVStats, transport: str, timeout_s: float,
                  secret: bytes = b"") -> None:
-        self.pool, self.transports, self.stats = pool, transports, stats
+        self.transports, self.stats = transports, stats
         self.transport = transport  # auto or a registered name
         self.timeout_s = timeout_s
         self.secret = secret
@@ -150,12 +155,17 @@ class PushSender:
         transport = self.transports[choose_transport(self.transport, target.host, target.shm_name)]
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
-        send_msg(sock, PushBegin(target.request_id, transport.name, self.pool.layout))
+        send_msg(sock, PushBegin(target.request_id, transport.name, self.transports.pool.layout,
+                                 self.transports.tp_size))
         reply = recv_msg(sock)
         if not isinstance(reply, Ack) or not reply.ok:
             raise ProtocolError(getattr(reply, "error", None) or "push refused")
+        try:
+            session.pieces = self.transports.pieces(reply.tp_size, producer=True)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
         session.transport = transport
-        session.peer = PeerPool(target.host, target.shm_name, reply.pool_num_blocks)
+        session.peer = PeerPool(target.host, tuple(reply.shm_names), reply.pool_num_blocks, reply.tp_size)
 
     def _run(self) -> None:
         """The sender thread: runs queued layer pushes (and step barriers) in order."""
@@ -171,15 +181,16 @@ class PushSender:
                 raise ProtocolError("decode node cancelled the push")
             if not session.transport.copies_inline:  # the bytes follow the message on the connection
                 send_msg(session.sock, PushLayers(layer, 1, spec.dst_block_ids))
-            session.nbytes += session.transport.write(session.sock, session.peer, spec.src_block_ids,
-                                                      spec.dst_block_ids, range(layer, layer + 1))
+            for piece in session.pieces:
+                session.nbytes += session.transport.write(session.sock, session.peer, piece, spec.src_block_ids,
+                                                          spec.dst_block_ids, range(layer, layer + 1))
         except (OSError, ProtocolError) as exc:
             self._fail(spec.request_id, session, str(exc))
 
     def _announce_copied(self, spec: SaveSpec, session: _Session) -> None:
         """A memcpy transport wrote every layer of this chunk: one message tells D which blocks."""
         try:
-            send_msg(session.sock, PushLayers(0, self.pool.num_layers, spec.dst_block_ids))
+            send_msg(session.sock, PushLayers(0, self.transports.pool.num_layers, spec.dst_block_ids))
         except OSError as exc:
             self._fail(spec.request_id, session, str(exc))
 
@@ -228,9 +239,10 @@ class _Expected:
 class PushReceiver:
     """D's side channel for pushes."""
 
-    def __init__(self, pool: KVPool, transports: Transports, stats: KVStats, inbox: TransferInbox, host: str,
+    def __init__(self, transports: Transports, stats: KVStats, inbox: TransferInbox, host: str,
                  port: int, drain_timeout_s: float = 30.0, secret: bytes = b"") -> None:
-        self.pool, self.transports, self.stats, self.inbox = pool, transports, stats, inbox
+        self.transports, self.stats, self.inbox = transports, stats, inbox
+        self.pool = transports.pool
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
@@ -269,28 +281,34 @@ class PushReceiver:
 
     # -- session threads ------------------------------------------------------------------------
 
-    def _claim(self, begin: PushBegin) -> Transport | str:
-        """The session's transport, or why it is refused."""
+    def _claim(self, begin: PushBegin) -> tuple[Transport, list[Piece]] | str:
+        """The session's transport and this side's read plan, or why it is refused."""
         transport = self.transports.to_serve(begin.transport, begin.layout)
         if isinstance(transport, str):
             return transport
+        try:
+            plan = self.transports.pieces(begin.tp_size, producer=False)
+        except ValueError as exc:
+            return str(exc)
         with self._lock:
             exp = self._expected.get(begin.request_id)
             if exp is None or exp.cancelled or exp.active:
                 return f"not waiting for a push of request {begin.request_id!r}"
             exp.active = True
-        return transport
+        return transport, plan
 
     def _session(self, conn: socket.socket, begin: PushBegin) -> None:
         rid = begin.request_id
-        transport = self._claim(begin)
-        if isinstance(transport, str):
-            send_msg(conn, Ack(ok=False, error=transport))
+        claim = self._claim(begin)
+        if isinstance(claim, str):
+            send_msg(conn, Ack(ok=False, error=claim))
             return
+        transport, plan = claim
         start, nbytes, error = time.perf_counter(), 0, None
         try:
-            # The accept carries our pool size, which an shm pusher needs to map the pool.
-            send_msg(conn, Ack(ok=True, pool_num_blocks=self.pool.num_blocks))
+            # The accept carries our pools (shm: the pusher maps them) and our TP size (the plan).
+            send_msg(conn, Ack(ok=True, pool_num_blocks=self.pool.num_blocks, shm_names=self.transports.shm_names,
+                               tp_size=self.transports.tp_size))
             while True:
                 msg = recv_msg(conn)
                 if isinstance(msg, PushDone):
@@ -306,7 +324,7 @@ class PushReceiver:
                     if not set(msg.block_ids) <= exp.block_ids or not (
                             0 <= layers.start and layers and layers.stop <= self.pool.num_layers):
                         raise ProtocolError("push names blocks or layers this request does not own")
-                nbytes += transport.serve_write(conn, msg.block_ids, layers)
+                nbytes += sum(transport.serve_write(conn, piece, msg.block_ids, layers) for piece in plan)
         except (OSError, ProtocolError) as exc:
             error = str(exc)
             try:

@@ -55,3 +55,24 @@ def _source(head: int, d: int, num_kv_heads: int, tp_p: int, tp_d: int) -> int:
 def readers(plan: list[HeadRead], p_rank: int) -> set[int]:
     """The D ranks that read from P rank `p_rank`: P frees a request's blocks once all have."""
     return {r.d_rank for r in plan if r.p_rank == p_rank}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One read of the plan as one side sees it: a run of KV heads moved between this node's TP rank
+    `rank` (its local heads `heads`) and the peer's rank `peer_rank` (`peer_heads`)."""
+
+    rank: int
+    heads: range
+    peer_rank: int
+    peer_heads: range
+
+
+def pieces(num_kv_heads: int, tp_p: int, tp_d: int, producer: bool) -> list[Piece]:
+    """The read plan from P's side (`producer`) or D's. Both sides list it in the same order, which
+    is the order of the bytes on a tcp stream. ValueError if a TP size cannot split the heads."""
+    for side, tp in (("prefill", tp_p), ("decode", tp_d)):
+        if tp < 1 or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(f"the {side} node's TP size {tp} cannot split the model's {num_kv_heads} KV heads")
+    return [Piece(r.p_rank, r.p_heads, r.d_rank, r.d_heads) if producer else
+            Piece(r.d_rank, r.d_heads, r.p_rank, r.p_heads) for r in read_plan(num_kv_heads, tp_p, tp_d)]

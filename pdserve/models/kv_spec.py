@@ -18,6 +18,7 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     planes: int = 2
+    model_kv_heads: int = 0  # the model's KV heads, of which a TP rank keeps num_kv_heads (0: all)
 
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The pool tensor: [layer, plane, block, slot, kv_head, head_dim]."""

@@ -209,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
         """K and V of every layer, per KV head this rank holds (what paged_attention reads and writes)."""
-        return KVCacheSpec(cfg.num_layers, len(tp.kv_heads(cfg.num_kv_heads)), cfg.head_dim, dtype)
+        return KVCacheSpec(cfg.num_layers, len(tp.kv_heads(cfg.num_kv_heads)), cfg.head_dim, dtype,
+                           model_kv_heads=cfg.num_kv_heads)
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

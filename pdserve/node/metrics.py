@@ -31,8 +31,8 @@ class NodeMetrics:
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
         self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests", ["finish_reason"], registry=r)
-        # pdserve:engine_info{device=,device_name=,isa=,dtype=,kernels=,quantization=,attention=} 1:
-        # what this node runs on.
+        # pdserve:engine_info{device=,device_name=,isa=,dtype=,kernels=,quantization=,attention=,
+        # tensor_parallel_size=} 1: what this node runs on.
         Info("pdserve:engine", "Device, ISA, dtype, kernel paths and weight quantization of the engine", registry=r).info(info.engine_labels)
         Gauge("pdserve:num_requests_running", "Requests in the running batch", registry=r).set_function(
             lambda: stats().num_running

@@ -20,7 +20,7 @@ import httpx
 import torch
 
 from pdserve.kv.holds import HeldBlocks
-from pdserve.kv.pool import KVPool, RemotePool
+from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.results import TransferInbox
 from pdserve.kv.stats import KVStats
@@ -64,8 +64,8 @@ def serve_blocks(mib: int, repeats: int, host: str) -> None:
         for layout, ids in layouts.items():
             for i in range(repeats):
                 held.hold(f"{t}-{layout}-{i}", ids)
-    transports = Transports(pool)
-    sender = KVSender(pool, transports, held, KVStats(), host, 0)
+    transports = Transports([pool])
+    sender = KVSender(transports, held, KVStats(), host, 0)
     print(sender.port, pool.shm_name, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     sender.close()
@@ -84,8 +84,8 @@ def bench_backends(mib: int, repeats: int, names: tuple[str, ...] = tuple(TRANSP
                             stdout=subprocess.PIPE, text=True)
     port, shm_name = proc.stdout.readline().split()
     local = KVPool(pool_shape(total), DTYPE, "cpu")
-    transports, inbox = Transports(local), TransferInbox()
-    receiver = KVReceiver(local, transports, KVStats(), inbox, "auto", timeout_s=60)
+    transports, inbox = Transports([local]), TransferInbox()
+    receiver = KVReceiver(transports, KVStats(), inbox, "auto", timeout_s=60)
     n = len(layouts["contiguous"])
     nbytes = n * LAYERS * 2 * local.block_bytes
     results: dict = {"bytes": nbytes, "blocks": n}
@@ -104,11 +104,11 @@ def bench_backends(mib: int, repeats: int, names: tuple[str, ...] = tuple(TRANSP
                     assert res[0].error is None, res[0].error
                     times.append(time.perf_counter() - start)
                 results[f"{transport}_{layout}_gbps"] = nbytes / min(times) / 1e9
-            remote = RemotePool(shm_name, pool_shape(total), DTYPE)  # memcpy reference: same segments
+            remote = KVPool(pool_shape(total), DTYPE, "cpu", shm_name=shm_name)  # memcpy reference: same segments
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                remote.copy_blocks(ids, local, dst)
+                copy_block_runs(remote.tensor, ids, local.tensor, dst)
                 times.append(time.perf_counter() - start)
             results[f"memcpy_{layout}_gbps"] = nbytes / min(times) / 1e9
             remote.close()

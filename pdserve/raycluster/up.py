@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from pdserve.launcher import StopSignal, node_command, node_roles, print_ready, proxy_command
+from pdserve.launcher import StopSignal, node_command, node_roles, node_tp, print_ready, proxy_command, tp_flags
 from pdserve.procs import Child, ProcessGroup, cluster_env
 from pdserve.raycluster.actor import NodeActor, NodeAddress
 
@@ -52,22 +52,24 @@ def run_up_ray(args) -> int:
     roles = node_roles(args)
     # A cluster started here counts one logical CPU per node at least (as `pdserve up` runs more
     # nodes than cores when it must).
-    started_here = connect(ray, args.ray, max(os.cpu_count() or 1, len(roles) * args.ray_cpus))
+    # A TP node reserves --ray-cpus per rank, all in one bundle: its ranks run on the actor's host.
+    cpus = [args.ray_cpus * node_tp(args, role) for role in roles]
+    started_here = connect(ray, args.ray, max(os.cpu_count() or 1, sum(cpus)))
     stop = StopSignal()
     group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
     nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
     try:
-        group = place(ray, len(roles), args.ray_cpus, args.ray_placement, args.startup_timeout)
+        group = place(ray, cpus, args.ray_placement, args.startup_timeout)
         secret = secrets.token_hex(32)  # travels to the actors through Ray only
         # Every host resolves the model itself (the embedded one, or a path that exists on each).
         command = node_command(args, args.model)
         remote = ray.remote(NodeActor)
         for i, role in enumerate(roles):
-            options = dict(name=f"pdserve-{role}-{i}-{os.getpid()}", num_cpus=args.ray_cpus,
+            options = dict(name=f"pdserve-{role}-{i}-{os.getpid()}", num_cpus=cpus[i],
                            max_restarts=args.ray_max_restarts, max_task_retries=0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
-            actors.append(remote.options(**options).remote(f"{role}-{i}", role, command, secret, args.api_key,
-                                                           args.startup_timeout))
+            actors.append(remote.options(**options).remote(f"{role}-{i}", role, [*tp_flags(args, role), *command],
+                                                           secret, args.api_key, args.startup_timeout))
         addresses = ray.get([a.address_of.remote() for a in actors], timeout=args.startup_timeout)
         for a in addresses:
             print(f"pdserve up --ray: {a.name} on {a.host}: {a.url}", flush=True)
@@ -103,16 +105,16 @@ def run_up_ray(args) -> int:
             ray.shutdown()
 
 
-def place(ray: Any, nodes: int, cpus: float, strategy: str, timeout_s: float) -> Any:
-    """The placement group of the nodes' bundles, once Ray has placed it. A cluster too small for
-    it fails at once; one whose CPUs are taken by others is waited for, up to timeout_s."""
+def place(ray: Any, cpus: list[float], strategy: str, timeout_s: float) -> Any:
+    """The placement group of the nodes' bundles (CPUs each), once Ray has placed it. A cluster too
+    small for it fails at once; one whose CPUs are taken by others is waited for, up to timeout_s."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    need, total = nodes * cpus, ray.cluster_resources().get("CPU", 0)
+    nodes, need, total = len(cpus), sum(cpus), ray.cluster_resources().get("CPU", 0)
     if need > total:
-        raise RuntimeError(f"the Ray cluster cannot place {nodes} node(s) of {cpus:g} CPU(s): it has {total:g} "
-                           f"CPUs on {len(ray.nodes())} node(s) (fewer --ray-cpus, or more Ray nodes)")
-    group = placement_group([{"CPU": cpus}] * nodes, strategy=STRATEGIES[strategy], name=f"pdserve-{os.getpid()}")
+        raise RuntimeError(f"the Ray cluster cannot place {nodes} node(s) of {need:g} CPU(s) in all: it has "
+                           f"{total:g} CPUs on {len(ray.nodes())} node(s) (fewer --ray-cpus, or more Ray nodes)")
+    group = placement_group([{"CPU": c} for c in cpus], strategy=STRATEGIES[strategy], name=f"pdserve-{os.getpid()}")
     ready, _ = ray.wait([group.ready()], timeout=min(WAIT_NOTE_S, timeout_s))
     if not ready:
         free = ray.available_resources().get("CPU", 0)

@@ -15,6 +15,7 @@ from pdserve.kv.transport.base import PeerPool, Transport
 if TYPE_CHECKING:  # the registry imports nothing heavy: the CLI reads it for its choices
     from pdserve.kv.pool import KVPool
     from pdserve.kv.protocol import KVLayout
+    from pdserve.kv.tp_plan import Piece
 
 TRANSPORTS: dict[str, str] = {
     "shm": "pdserve.kv.transport.shm:ShmTransport",
@@ -27,11 +28,30 @@ __all__ = ["AUTO", "TRANSPORTS", "PeerPool", "Transport", "Transports", "choose_
 
 
 class Transports(dict[str, Transport]):
-    """A node's transports by name, over its pool (a passive side serves whichever a peer names)."""
+    """A node's transports by name, over its pools, one per TP rank (a passive side serves whichever
+    a peer names)."""
 
-    def __init__(self, pool: KVPool) -> None:
-        super().__init__({name: transport_class(name)(pool) for name in TRANSPORTS})
-        self.pool = pool
+    def __init__(self, pools: list[KVPool]) -> None:
+        super().__init__({name: transport_class(name)(pools) for name in TRANSPORTS})
+        self.pools = pools
+        self.pool = pools[0]
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.pools)
+
+    @property
+    def shm_names(self) -> list[str]:
+        """The pools in shared memory, by rank (none unless every rank's is)."""
+        names = [pool.shm_name for pool in self.pools]
+        return names if all(names) else []
+
+    def pieces(self, peer_tp: int, producer: bool) -> list[Piece]:
+        """This node's side of the read plan with a peer of TP `peer_tp` (ValueError if it cannot split the heads)."""
+        from pdserve.kv.tp_plan import pieces
+
+        tp_p, tp_d = (self.tp_size, peer_tp) if producer else (peer_tp, self.tp_size)
+        return pieces(self.pool.model_kv_heads, tp_p, tp_d, producer)
 
     def to_serve(self, name: str, layout: KVLayout) -> Transport | str:
         """The transport a peer named for a transfer it drives, or why this node cannot serve it."""

@@ -5,6 +5,10 @@ P when it pushes), and a passive side, which serves it on its end of the side-ch
 connection. Pull and push (kv/pull.py, kv/push.py) are written once against the four verbs
 below; a transport only moves bytes. Each verb returns the bytes it moved, also where the peer
 did the copy, so that both ends count every transfer once, whatever the transport.
+
+A node's pools are one per TP rank (all in this host's memory). Each verb moves one `Piece` of the
+read plan (kv/tp_plan.py): a run of KV heads between this node's rank `piece.rank` and the peer's
+`piece.peer_rank`; without TP, the one piece is all heads, rank 0 to rank 0.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from pdserve.kv.pool import KVPool
+    from pdserve.kv.tp_plan import Piece
 
 
 @dataclass(frozen=True)
@@ -23,8 +28,9 @@ class PeerPool:
     """What the active side knows of the peer's pool once the peer has accepted the transfer."""
 
     host: str
-    shm_name: str | None  # the peer's pool in shared memory, if it has one
-    num_blocks: int
+    shm_names: tuple[str, ...]  # the peer's pools in shared memory, by TP rank (empty: none)
+    num_blocks: int  # of each
+    tp_size: int = 1
 
 
 class Transport(ABC):
@@ -35,8 +41,9 @@ class Transport(ABC):
     # Pools must be created in shared memory for a peer to use this transport.
     needs_shared_pool: ClassVar[bool] = False
 
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
+    def __init__(self, pools: list[KVPool]) -> None:
+        self.pools = pools  # by TP rank
+        self.pool = pools[0]
 
     @staticmethod
     def reaches(peer_host: str, peer_shm_name: str | None) -> bool:
@@ -50,23 +57,23 @@ class Transport(ABC):
     # -- active side ----------------------------------------------------------------------------
 
     @abstractmethod
-    def read(self, conn: socket.socket, peer: PeerPool, remote_ids: list[int], local_ids: list[int],
+    def read(self, conn: socket.socket, peer: PeerPool, piece: Piece, remote_ids: list[int], local_ids: list[int],
              layers: range) -> int:
         """Copy the peer's blocks `remote_ids` into ours `local_ids` (pull)."""
 
     @abstractmethod
-    def write(self, conn: socket.socket, peer: PeerPool, local_ids: list[int], remote_ids: list[int],
+    def write(self, conn: socket.socket, peer: PeerPool, piece: Piece, local_ids: list[int], remote_ids: list[int],
               layers: range) -> int:
         """Copy our blocks `local_ids` into the peer's `remote_ids` (push)."""
 
     # -- passive side ---------------------------------------------------------------------------
 
     @abstractmethod
-    def serve_read(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
+    def serve_read(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
         """The peer is reading our blocks `local_ids` in this order."""
 
     @abstractmethod
-    def serve_write(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
+    def serve_write(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
         """The peer is writing into our blocks `local_ids`."""
 
     def close(self) -> None:

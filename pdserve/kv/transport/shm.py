@@ -8,9 +8,11 @@ import ipaddress
 import socket
 import threading
 
-from pdserve.kv.pool import KVPool, RemotePool, copy_block_runs
+from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.protocol import ProtocolError
+from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport.base import PeerPool, Transport
+from pdserve.models.parallel import kv_heads
 
 
 def is_loopback(host: str) -> bool:
@@ -40,9 +42,9 @@ class ShmTransport(Transport):
     copies_inline = True
     needs_shared_pool = True
 
-    def __init__(self, pool: KVPool) -> None:
-        super().__init__(pool)
-        self._remote_pools: dict[str, RemotePool] = {}
+    def __init__(self, pools: list[KVPool]) -> None:
+        super().__init__(pools)
+        self._remote_pools: dict[str, KVPool] = {}
         self._lock = threading.Lock()  # loads run on several threads
 
     @staticmethod
@@ -50,34 +52,36 @@ class ShmTransport(Transport):
         return bool(peer_shm_name) and on_this_host(peer_host)
 
     def serve_error(self) -> str | None:
-        return None if self.pool.shm_name else "this node has no shared-memory KV pool"
+        return None if all(pool.shm_name for pool in self.pools) else "this node has no shared-memory KV pool"
 
-    def read(self, conn: socket.socket, peer: PeerPool, remote_ids: list[int], local_ids: list[int],
+    def read(self, conn: socket.socket, peer: PeerPool, piece: Piece, remote_ids: list[int], local_ids: list[int],
              layers: range) -> int:
-        remote = self._map(peer)
-        sl = slice(layers.start, layers.stop)
-        return copy_block_runs(remote.tensor[sl], remote_ids, self.pool.tensor[sl], local_ids)
+        remote = self._map(peer, piece.peer_rank).heads_view(layers, piece.peer_heads)
+        return copy_block_runs(remote, remote_ids, self.pools[piece.rank].heads_view(layers, piece.heads), local_ids)
 
-    def write(self, conn: socket.socket, peer: PeerPool, local_ids: list[int], remote_ids: list[int],
+    def write(self, conn: socket.socket, peer: PeerPool, piece: Piece, local_ids: list[int], remote_ids: list[int],
               layers: range) -> int:
-        remote = self._map(peer)
-        sl = slice(layers.start, layers.stop)
-        return copy_block_runs(self.pool.tensor[sl], local_ids, remote.tensor[sl], remote_ids)
+        remote = self._map(peer, piece.peer_rank).heads_view(layers, piece.peer_heads)
+        return copy_block_runs(self.pools[piece.rank].heads_view(layers, piece.heads), local_ids, remote, remote_ids)
 
-    def serve_read(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
-        return self.pool.nbytes(local_ids, layers)
+    def serve_read(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
+        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
 
-    def serve_write(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
-        return self.pool.nbytes(local_ids, layers)
+    def serve_write(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
+        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
 
-    def _map(self, peer: PeerPool) -> RemotePool:
-        if not peer.shm_name:
+    def _map(self, peer: PeerPool, rank: int) -> KVPool:
+        """The peer's rank `rank` pool, mapped once: its ranks hold other shares of the heads than ours."""
+        if rank >= len(peer.shm_names):
             raise ProtocolError("the peer has no shared-memory KV pool")
+        name = peer.shm_names[rank]
         with self._lock:
-            remote = self._remote_pools.get(peer.shm_name)
+            remote = self._remote_pools.get(name)
             if remote is None:
-                shape = (*self.pool.shape[:2], peer.num_blocks, *self.pool.shape[3:])
-                remote = self._remote_pools[peer.shm_name] = RemotePool(peer.shm_name, shape, self.pool.dtype)
+                local = self.pool
+                heads = len(kv_heads(0, peer.tp_size, local.model_kv_heads))
+                shape = (*local.shape[:2], peer.num_blocks, local.block_size, heads, *local.shape[5:])
+                remote = self._remote_pools[name] = KVPool(shape, local.dtype, "cpu", shm_name=name)
             return remote
 
     def close(self) -> None:

@@ -1,12 +1,17 @@
 """tcp: the block bytes stream over the side-channel socket, straight from and into the pools
-(scatter/gather calls over the blocks' segments, no staging buffer). Works between any hosts."""
+(scatter/gather calls over the blocks' segments, no staging buffer). Works between any hosts.
+A piece of some of a rank's heads (P and D with different TP) is gathered into, or scattered from,
+one contiguous buffer in the same canonical order."""
 
 from __future__ import annotations
 
 import socket
 
+import torch
+
 from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import ProtocolError
+from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport.base import PeerPool, Transport
 
 MAX_IOV = 512  # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
@@ -16,23 +21,45 @@ LARGE_SEGMENT = 64 << 10
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, pool: KVPool) -> None:
-        super().__init__(pool)
-        self.data = pool.byte_view()
+    def __init__(self, pools: list[KVPool]) -> None:
+        super().__init__(pools)
+        self.data = [pool.byte_view() for pool in pools]
 
-    def read(self, conn: socket.socket, peer: PeerPool, remote_ids: list[int], local_ids: list[int],
+    def read(self, conn: socket.socket, peer: PeerPool, piece: Piece, remote_ids: list[int], local_ids: list[int],
              layers: range) -> int:
-        return recv_segments(conn, self.data, self.pool.segments(local_ids, layers))
+        return self._recv(conn, piece, local_ids, layers)
 
-    def write(self, conn: socket.socket, peer: PeerPool, local_ids: list[int], remote_ids: list[int],
+    def write(self, conn: socket.socket, peer: PeerPool, piece: Piece, local_ids: list[int], remote_ids: list[int],
               layers: range) -> int:
-        return send_segments(conn, self.data, self.pool.segments(local_ids, layers))
+        return self._send(conn, piece, local_ids, layers)
 
-    def serve_read(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
-        return send_segments(conn, self.data, self.pool.segments(local_ids, layers))
+    def serve_read(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
+        return self._send(conn, piece, local_ids, layers)
 
-    def serve_write(self, conn: socket.socket, local_ids: list[int], layers: range) -> int:
-        return recv_segments(conn, self.data, self.pool.segments(local_ids, layers))
+    def serve_write(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
+        return self._recv(conn, piece, local_ids, layers)
+
+    def _send(self, conn: socket.socket, piece: Piece, block_ids: list[int], layers: range) -> int:
+        pool = self.pools[piece.rank]
+        if pool.holds_all(piece.heads):
+            return send_segments(conn, self.data[piece.rank], pool.segments(block_ids, layers))
+        staged = pool.gather(block_ids, layers, piece.heads)
+        conn.sendall(_bytes(staged))
+        return staged.numel() * staged.element_size()
+
+    def _recv(self, conn: socket.socket, piece: Piece, block_ids: list[int], layers: range) -> int:
+        pool = self.pools[piece.rank]
+        if pool.holds_all(piece.heads):
+            return recv_segments(conn, self.data[piece.rank], pool.segments(block_ids, layers))
+        shape = pool.heads_view(layers, piece.heads)[:, :, : len(block_ids)].shape
+        staged = torch.empty(shape, dtype=pool.dtype)
+        nbytes = recv_segments(conn, _bytes(staged), [(0, staged.numel() * staged.element_size())])
+        pool.scatter(block_ids, layers, piece.heads, staged)
+        return nbytes
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
 def _views(data: memoryview, segments: list[tuple[int, int]]) -> list[memoryview]:
