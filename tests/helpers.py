@@ -64,3 +64,15 @@ def hf_with_weights_of(llm):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     reference.tie_weights()
     return reference.eval()
+
+
+def push_in_chunks(sender, request_id: str, target, chunks: list[tuple[list[int], list[int]]], num_layers: int) -> None:
+    """Push (P blocks, D blocks) chunks as a chunked prefill's steps do: every layer of each step
+    through the forward pass's hook, the last chunk ending the session."""
+    from pdserve.kv.push import SaveSpec
+
+    for i, (src, dst) in enumerate(chunks):
+        sender.begin_step([SaveSpec(request_id, target, src, dst, last=i == len(chunks) - 1)])
+        for layer in range(num_layers):
+            sender.save_kv_layer(layer)
+        sender.wait_for_save()

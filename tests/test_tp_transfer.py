@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import push_in_chunks
 
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
-from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
+from pdserve.kv.push import PushReceiver, PushSender, PushTarget
 from pdserve.kv.results import TransferInbox
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import TRANSPORTS, Transports
@@ -56,17 +57,13 @@ def close(*items) -> None:
             pool.close()
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
-@pytest.mark.parametrize("num_kv_heads, tp_p, tp_d", PAIRS)
-def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads(model, transport, num_kv_heads,
-                                                                               tp_p, tp_d):
-    model = model[..., :num_kv_heads, :].contiguous()
-    p_pools, d_pools = rank_pools(model, num_kv_heads, tp_p), rank_pools(None, num_kv_heads, tp_d)
-    held = HeldBlocks(timeout_s=60)
+def pull(p_pools: list[KVPool], d_pools: list[KVPool], held: HeldBlocks, transport: str, p_stats: KVStats,
+         d_stats: KVStats):
+    """D pulls P's request "p-1" (blocks SRC) into DST over the side channel; the transfer's result."""
     held.hold("p-1", SRC)
     p_transports, d_transports = Transports(p_pools), Transports(d_pools)
-    p_stats, d_stats, inbox = KVStats(), KVStats(), TransferInbox()
     sender = KVSender(p_transports, held, p_stats, "127.0.0.1", 0)
+    inbox = TransferInbox()
     receiver = KVReceiver(d_transports, d_stats, inbox, transport, timeout_s=10)
     try:
         receiver.start(LoadSpec("d-1", DST, SRC, "p-1", "127.0.0.1", sender.port, p_pools[0].shm_name))
@@ -76,6 +73,18 @@ def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads
         sender.close()
         p_transports.close()
         d_transports.close()
+    return result
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("num_kv_heads, tp_p, tp_d", PAIRS)
+def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads(model, transport, num_kv_heads,
+                                                                               tp_p, tp_d):
+    model = model[..., :num_kv_heads, :].contiguous()
+    p_pools, d_pools = rank_pools(model, num_kv_heads, tp_p), rank_pools(None, num_kv_heads, tp_d)
+    held = HeldBlocks(timeout_s=60)
+    p_stats, d_stats = KVStats(), KVStats()
+    result = pull(p_pools, d_pools, held, transport, p_stats, d_stats)
     try:
         assert result.error is None and result.transport == transport
         assert_landed(d_pools, model, num_kv_heads)
@@ -99,11 +108,7 @@ def test_a_layerwise_push_fills_every_decode_rank(model, transport, num_kv_heads
     try:
         receiver.expect("d-1", DST, timeout_s=30)
         target = PushTarget("d-1", DST, 0, "127.0.0.1", receiver.port, d_pools[0].shm_name)
-        for src, dst, last in ((SRC[:2], DST[:2], False), (SRC[2:], DST[2:], True)):  # two chunks
-            sender.begin_step([SaveSpec("p-1", target, src, dst, last)])
-            for layer in range(LAYERS):
-                sender.save_kv_layer(layer)
-            sender.wait_for_save()
+        push_in_chunks(sender, "p-1", target, [(SRC[:2], DST[:2]), (SRC[2:], DST[2:])], LAYERS)  # two chunks
         [result] = inbox.poll(timeout=30)
     finally:
         receiver.close()
@@ -123,19 +128,8 @@ def test_a_peer_whose_tp_cannot_split_the_heads_is_refused(model):
     p_pools = rank_pools(model[..., :2, :].contiguous(), 2, 1)
     d_pools = [KVPool((LAYERS, 2, BLOCKS, SLOTS, 1, HEAD_DIM), torch.float32, "cpu", shared=True, model_kv_heads=2)
                for _ in range(3)]
-    held = HeldBlocks(timeout_s=60)
-    held.hold("p-1", SRC)
-    p_transports, d_transports = Transports(p_pools), Transports(d_pools)
-    sender = KVSender(p_transports, held, KVStats(), "127.0.0.1", 0)
-    inbox = TransferInbox()
-    receiver = KVReceiver(d_transports, KVStats(), inbox, "tcp", timeout_s=10)
     try:
-        receiver.start(LoadSpec("d-1", DST, SRC, "p-1", "127.0.0.1", sender.port))
-        [result] = inbox.poll(timeout=30)
+        result = pull(p_pools, d_pools, HeldBlocks(timeout_s=60), "tcp", KVStats(), KVStats())
     finally:
-        receiver.close()
-        sender.close()
-        p_transports.close()
-        d_transports.close()
         close(p_pools, d_pools)
     assert "decode node's TP size 3 cannot split the model's 2 KV heads" in result.error

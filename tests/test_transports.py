@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import push_in_chunks
 
 from pdserve.kv.pool import KVPool
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
@@ -102,11 +103,7 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
         receiver.expect("d-1", DST, timeout_s=30)
         push = PushTarget("d-1", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
         # Two steps (chunks), as a chunked prefill pushes them: the first three blocks, then the rest.
-        for src, dst, last in ((SRC[:3], DST[:3], False), (SRC[3:], DST[3:], True)):
-            sender.begin_step([SaveSpec("p-1", push, src, dst, last)])
-            for layer in range(SHAPE[0]):
-                sender.save_kv_layer(layer)
-            sender.wait_for_save()
+        push_in_chunks(sender, "p-1", push, [(SRC[:3], DST[:3]), (SRC[3:], DST[3:])], SHAPE[0])
         [result] = inbox.poll(timeout=30)
     finally:
         receiver.close()
