@@ -3,7 +3,7 @@ channel's sockets, every rank's pool in shared memory, the read plan of kv/tp_pl
 prompt's KV, without the model. Two KV layouts of SmolLM2's size (30 layers, head dim 64): its own
 3 KV heads (TP 1 and 3) and the random Llama's 2 (TP 1, 2 and 4).
 
-    python -m pdserve.benchmarks.tp_transfer [--prompt-len 1024] [--repeats 5] [--dtype bfloat16]
+    python -m pdserve.benchmarks.tp_transfer [--prompt-len 1024] [--repeats 20] [--dtype bfloat16]
 
 Pull: D's `KVReceiver` loads the request from P's `KVSender` (one connection; every D rank's share).
 Push: P's `PushSender` writes every layer as the forward pass would (30 `save_kv_layer` calls, one
@@ -106,7 +106,7 @@ def measure(num_kv_heads: int, tp_p: int, tp_d: int, args, dtype: torch.dtype) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", default="docs/results/tp_transfer.json")
     args = parser.parse_args()
@@ -129,7 +129,11 @@ def main() -> None:
               "piece that is a whole rank's pool moves as the blocks' byte segments, no copy; one of some of a "
               "rank's heads (P and D of different TP) is gathered into one buffer on the sending side and "
               "scattered on the receiving one (tcp), or copied as a strided view (shm). D of larger TP receives "
-              "more bytes than P holds when it replicates KV heads (TP 4 over 2 heads: each head twice)."]
+              "more bytes than P holds when it replicates KV heads (TP 4 over 2 heads: each head twice). Both ends run "
+              "in this one process and share its GIL, which a real P and D do not, so the tcp columns (Python "
+              "threads on both ends of a socket) are upper bounds and vary run to run; the shm columns are copies. "
+              "A push's layers are written while the prefill computes the next ones, so most of its time hides "
+              "behind the forward pass (docs/benchmarks.md, push)."]
     publish(res, args.out, "tp_transfer", "KV transfer time per TP pair (issue 18)", "\n".join(lines))
 
 

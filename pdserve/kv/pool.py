@@ -134,12 +134,16 @@ class KVPool:
 
     def gather(self, block_ids: list[int], layers: range, heads: range) -> torch.Tensor:
         """A contiguous copy of those heads of `block_ids`, in canonical order (layer, plane, block,
-        slot, head): the order `segments` gives for all heads, so either end may slice."""
-        return self.heads_view(layers, heads)[:, :, torch.tensor(block_ids)].contiguous()
+        slot, head): the order `segments` gives for all heads, so either end may slice. One copy
+        per run of consecutive blocks (several times faster than indexing block by block)."""
+        view = self.heads_view(layers, heads)
+        out = torch.empty((*view.shape[:2], len(block_ids), *view.shape[3:]), dtype=self.dtype)
+        copy_block_runs(view, block_ids, out, list(range(len(block_ids))))
+        return out
 
     def scatter(self, block_ids: list[int], layers: range, heads: range, data: torch.Tensor) -> None:
         """Write what `gather` returns (from any pool of the same layout) into our `block_ids`."""
-        self.heads_view(layers, heads)[:, :, torch.tensor(block_ids)] = data
+        copy_block_runs(data, list(range(len(block_ids))), self.heads_view(layers, heads), block_ids)
 
     def close(self) -> None:
         if self._mapping is None:
