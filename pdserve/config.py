@@ -9,15 +9,17 @@ from typing import Any
 
 from pdserve.platform import kernel_mode
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-DEFAULT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "deepseek_v3")
+DEFAULT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                         "deepseek_v3": "DeepseekV3ForCausalLM"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, for decode (models/quantization.py)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama-family decoder, read from an HF `config.json`."""
+    """The architecture of a decoder, read from an HF `config.json`: the fields every model family
+    has; a family's own (MLA's ranks, MoE's experts) its model class reads from `hf`."""
 
     model_type: str
     architecture: str  # the model class's name (models/registry.py)
@@ -39,6 +41,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     gguf_weight_type: str | None = None  # the main weight type of the GGUF it was converted from
+    hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the config.json as read
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -53,6 +56,8 @@ class ModelConfig:
             raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         num_heads = cfg["num_attention_heads"]
+        # MLA caches one latent per token, shared by every head: one KV "head" (replicated under TP).
+        mla = model_type == "deepseek_v3"
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -64,7 +69,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
@@ -77,6 +82,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             gguf_weight_type=cfg.get("gguf_weight_type"),
+            hf=cfg,
         )
 
     @classmethod

@@ -77,3 +77,34 @@ def random_llama(tmp_path_factory, smollm_dir):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm_dir / f, path / f)
     return str(path)
+
+
+MLA_CONFIG = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                  kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32,
+                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+
+
+def save_random_deepseek(path, smollm_dir, **overrides) -> str:
+    """A seeded tiny random DeepSeek-V3 (MLA, one dense layer then MoE) saved by transformers, with
+    SmolLM2's tokenizer; random norms and router biases, so that every weight counts."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.DeepseekV3Config(**{**MLA_CONFIG, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "e_score" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / f, path / f)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory, smollm_dir):
+    """The tiny random DeepSeek-V3 (4 heads, kv_lora_rank 64, qk_rope_head_dim 16: a 80-value latent)."""
+    return save_random_deepseek(tmp_path_factory.mktemp("deepseek-v3"), smollm_dir)

@@ -72,7 +72,7 @@ def time_push(p: Transports, d: Transports, transport: str, blocks: list[int], r
             target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.pool.shm_name)
             start = time.perf_counter()
             sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True)])
-            for layer in range(LAYERS):
+            for layer in range(p.pool.num_layers):
                 sender.save_kv_layer(layer)
             sender.wait_for_save()
             [result] = inbox.poll(timeout=60)
@@ -84,17 +84,23 @@ def time_push(p: Transports, d: Transports, transport: str, blocks: list[int], r
 
 
 def measure(num_kv_heads: int, tp_p: int, tp_d: int, args, dtype: torch.dtype) -> dict:
-    blocks = list(range(-(-args.prompt_len // BLOCK)))
-    p_pools = rank_pools(num_kv_heads, tp_p, len(blocks), dtype)
-    d_pools = rank_pools(num_kv_heads, tp_d, len(blocks), dtype)
+    num_blocks = -(-args.prompt_len // BLOCK)
+    return time_transfers(rank_pools(num_kv_heads, tp_p, num_blocks, dtype),
+                          rank_pools(num_kv_heads, tp_d, num_blocks, dtype), args.repeats)
+
+
+def time_transfers(p_pools: list[KVPool], d_pools: list[KVPool], repeats: int) -> dict:
+    """Every block of P's pools to D's, pulled and pushed over each transport: median milliseconds
+    per request (the pools are closed after)."""
+    blocks = list(range(p_pools[0].num_blocks))
     for pool in p_pools:
         pool.tensor.normal_()
     p, d = Transports(p_pools), Transports(d_pools)
-    out: dict = {"mib": sum(pool.nbytes(blocks) for pool in d_pools) / 2**20, "pieces": len(d.pieces(tp_p, False))}
+    out: dict = {"mib": sum(pool.nbytes(blocks) for pool in d_pools) / 2**20, "pieces": len(d.pieces(len(p_pools), False))}
     try:
         for transport in TRANSPORTS:
             for mode, run in (("pull", time_pull), ("push", time_push)):
-                out[f"{mode}_{transport}_ms"] = 1e3 * statistics.median(run(p, d, transport, blocks, args.repeats))
+                out[f"{mode}_{transport}_ms"] = 1e3 * statistics.median(run(p, d, transport, blocks, repeats))
     finally:
         p.close()
         d.close()

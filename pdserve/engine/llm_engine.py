@@ -135,11 +135,11 @@ class LLMEngine:
         # Decode attention and the fused elementwise ops on pdserve's C++ kernels unless forced
         # portable or they cannot be built here (no compiler): then torch ops, SDPA over gathered blocks.
         ops = native_ops() if self.plan.compiled else None
-        self.attention = "native" if ops is not None else "sdpa"
+        kernel = ops.paged_decode_attention if ops is not None and model.native_decode_attention else None
+        self.attention = "native" if kernel is not None else "sdpa"
         if ops is not None:
             model.use_native_kernels(ops)
-        self.model_runner = ModelRunner(model, self.pool, config.device,
-                                        ops.paged_decode_attention if ops is not None else None, self.tp_workers)
+        self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(

@@ -171,21 +171,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SiLU-gated MLP (a MoE's experts are these too)."""
+
     native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp  # this rank's slice of the intermediate size; down_proj's partial sums are all-reduced
-        rows = len(tp.rows(cfg.intermediate_size))
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * rows, bias=cfg.mlp_bias)
-        self.down_proj = Linear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
+        rows = len(tp.rows(intermediate_size))
+        self.gate_up_proj = Linear(hidden_size, 2 * rows, bias=bias)
+        self.down_proj = Linear(rows, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: int = 0, reduce: bool = True) -> torch.Tensor:
+        """`reduce`: all-reduce the ranks' partial sums now (a MoE sums its experts' first, once)."""
         gate_up = self.gate_up_proj(x, decode_rows)
         if self.native is not None:
-            return self.tp.all_reduce(self.down_proj(self.native.silu_and_mul(gate_up), decode_rows))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up, decode_rows))
+            out = self.down_proj(self.native.silu_and_mul(gate_up), decode_rows)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up, decode_rows)
+        return self.tp.all_reduce(out) if reduce else out
 
 
 class DecoderLayer(nn.Module):
@@ -194,7 +199,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotate: Rotation, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -206,6 +211,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    native_decode_attention = True  # decode attention may run on pdserve's C++ paged kernel (K and V planes)
+
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
         """K and V of every layer, per KV head this rank holds (what paged_attention reads and writes)."""
@@ -304,14 +311,12 @@ class LlamaForCausalLM(nn.Module):
                 parts = [own.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
                 if parts[0] is not None:  # column-parallel: this rank's heads
                     own[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat((parts[0][q], parts[1][kv], parts[2][kv]))
-                parts = [own.pop(f"{p}mlp.{n}_proj.{suffix}", None) for n in ("gate", "up")]
-                if parts[0] is not None:
-                    own[f"{p}mlp.gate_up_proj.{suffix}"] = torch.cat((parts[0][mlp], parts[1][mlp]))
-            if tp.size > 1:  # row-parallel: this rank's input columns; the bias added once (rank 0)
-                for name, cols in ((f"{p}self_attn.o_proj", q), (f"{p}mlp.down_proj", mlp)):
-                    own[f"{name}.weight"] = own[f"{name}.weight"][:, cols].contiguous()
-                    if f"{name}.bias" in own and tp.rank:
-                        own[f"{name}.bias"] = torch.zeros_like(own[f"{name}.bias"])
+            load_mlp(own, f"{p}mlp.", mlp, tp)
+            row_parallel(own, f"{p}self_attn.o_proj", q, tp)
+        self.load_own_state_dict(own)
+
+    def load_own_state_dict(self, own: dict[str, torch.Tensor]) -> None:
+        """Load weights already named and sliced as this model's; ValueError naming any that do not fit."""
         missing, unexpected = self.load_state_dict(own, strict=False)
         self.tie_weights()
         if self.config.tie_word_embeddings:
@@ -323,3 +328,20 @@ class LlamaForCausalLM(nn.Module):
 def _rows(part: range, size: int) -> slice:
     """The rows of `part` (heads of `size` rows each) in a weight split along its first dimension."""
     return slice(part.start * size, part.stop * size)
+
+
+def load_mlp(own: dict[str, torch.Tensor], prefix: str, rows: slice, tp: TensorParallel) -> None:
+    """An HF MLP's gate and up fused into `gate_up_proj` (this rank's `rows`), its down_proj row-parallel."""
+    for suffix in ("weight", "bias"):
+        gate, up = own.pop(f"{prefix}gate_proj.{suffix}", None), own.pop(f"{prefix}up_proj.{suffix}", None)
+        if gate is not None:
+            own[f"{prefix}gate_up_proj.{suffix}"] = torch.cat((gate[rows], up[rows]))
+    row_parallel(own, f"{prefix}down_proj", rows, tp)
+
+
+def row_parallel(own: dict[str, torch.Tensor], name: str, cols: slice, tp: TensorParallel) -> None:
+    """TP: this rank's input columns of a row-parallel projection; its bias added once (rank 0)."""
+    if tp.size > 1:
+        own[f"{name}.weight"] = own[f"{name}.weight"][:, cols].contiguous()
+        if f"{name}.bias" in own and tp.rank:
+            own[f"{name}.bias"] = torch.zeros_like(own[f"{name}.bias"])

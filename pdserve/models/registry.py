@@ -12,6 +12,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "pdserve.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k/v bias
     "Qwen3ForCausalLM": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k norm
+    "DeepseekV3ForCausalLM": "pdserve.models.deepseek:DeepseekV3ForCausalLM",  # MLA, MoE
 }
 
 
