@@ -63,7 +63,7 @@ def test_the_kv_cache_is_one_latent_per_token_and_layer(llm):
     spec = llm.engine.kv_spec
     assert (spec.planes, spec.num_kv_heads, spec.head_dim, spec.model_kv_heads) == (1, 1, LATENT, 1)
     assert spec.bytes_per_token == 4 * LATENT * 4  # 4 layers x 80 float32 values; per-head K and V would be 4 x 2 x 4 x 48
-    assert llm.engine.labels()["attention"] == "sdpa"  # MLA's own decode attention, not the K/V kernel
+    assert llm.engine.labels()["attention"] == "mla"  # MLA's own decode attention, not the K/V kernel
 
 
 def test_greedy_tokens_equal_transformers_and_logprobs_are_close(llm, mla_model):

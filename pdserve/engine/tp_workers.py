@@ -123,7 +123,7 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     ops = native_ops() if spec.compiled else None
     if ops is not None:
         model.use_native_kernels(ops)
-        kernel = ops.paged_decode_attention if model.native_decode_attention else None
+        kernel = ops.paged_decode_attention if model.decode_attention == "paged" else None
     kv_caches = list(pool.tensor.unbind(0))
     with torch.inference_mode():
         while True:

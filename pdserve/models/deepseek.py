@@ -9,8 +9,8 @@ replicated: each rank holds all of it, and a D rank reads it from one P rank.
 Attention, two ways over the same cache:
 - decode (absorbed weights): kv_b_proj's key half is folded into the query (q_nope W_UK), so the
   scores are one dot product of [q_latent, q_rope] with each cached latent, an MQA with one KV head of
-  the latent's width; the value is the latent's first kv_lora_rank values, and W_UV maps the result
-  back per head. A decode step reads only the latent, never per-head K / V.
+  the latent's width (two batched matmuls); the value is the latent's first kv_lora_rank values, and
+  W_UV maps the result back per head. A decode step reads only the latent, never per-head K / V.
 - prefill chunks (expanded): the context's latents go through kv_b_proj into per-head keys and
   values, then SDPA; a long chunk is compute-bound and this costs no more than MHA.
 
@@ -161,10 +161,12 @@ class MLAttention(nn.Module):
             visible = torch.arange(latents.shape[1], device=query.device) < group.context_lens[:, None]
             mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(
                 ~visible, float("-inf"))[:, None, None, :]
-        keys = latents[:, None]  # [B, 1, L, latent]
-        o = F.scaled_dot_product_attention(query[:, :, None], keys, keys[..., : self.mla.kv_lora_rank],
-                                           attn_mask=mask.to(query.dtype), scale=self.scale, enable_gqa=True)
-        return torch.einsum("bhr,hvr->bhv", o[:, :, 0], w_uv)
+        # One KV head for all H query heads: two batched matmuls over [B, H, L] scores (an SDPA would
+        # expand the latent to every head first).
+        scores = torch.bmm(query, latents.transpose(1, 2)).mul_(self.scale) + mask[:, 0].to(query.dtype)
+        probs = scores.float().softmax(dim=-1).to(query.dtype)
+        o = torch.bmm(probs, latents[..., : self.mla.kv_lora_rank])  # [B, H, rank]
+        return torch.einsum("bhr,hvr->bhv", o, w_uv)
 
 
 class Router(nn.Module):
@@ -234,7 +236,7 @@ class DecoderLayer(nn.Module):
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The forward pass, logits, dtypes and quantization are the Llama decoder's; the layers differ."""
 
-    native_decode_attention = False  # decode attention is MLA's own (SDPA over latents)
+    decode_attention = "mla"  # its own: absorbed weights over the latents (not the K/V paged kernel)
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
@@ -246,9 +248,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         mla = MLAConfig.from_model_config(cfg)
         tp.check(cfg.num_heads, 1, cfg.intermediate_size)
-        if mla.n_routed_experts and mla.moe_intermediate_size % tp.size:
+        moe = mla.n_routed_experts and mla.first_k_dense_replace < cfg.num_layers
+        if moe and mla.moe_intermediate_size % tp.size:
             raise ValueError(f"tensor parallel size {tp.size} does not divide the experts' {mla.moe_intermediate_size} rows")
-        if mla.n_routed_experts and (mla.n_routed_experts % mla.n_group or mla.n_routed_experts // mla.n_group < 2):
+        if moe and (mla.n_routed_experts % mla.n_group or mla.n_routed_experts // mla.n_group < 2):
             raise ValueError(f"{mla.n_routed_experts} experts do not form {mla.n_group} groups of two or more")
         self.config, self.mla, self.tp = cfg, mla, tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

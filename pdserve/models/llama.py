@@ -211,7 +211,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    native_decode_attention = True  # decode attention may run on pdserve's C++ paged kernel (K and V planes)
+    # Decode attention: models/attention.py's over K and V planes (pdserve's C++ kernel where built,
+    # else SDPA); a model with its own names it.
+    decode_attention = "paged"
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
