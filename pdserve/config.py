@@ -52,8 +52,8 @@ class ModelConfig:
             )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
+        if rope_type not in ("default", "yarn", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported (plain RoPE and YaRN)")
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         num_heads = cfg["num_attention_heads"]
         # MLA caches one latent per token, shared by every head: one KV "head" (replicated under TP).

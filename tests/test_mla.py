@@ -81,11 +81,17 @@ def test_a_prefix_cache_hit_decodes_as_a_full_prefill(llm, mla_model):
     assert_matches(out, hf_reference(mla_model, [second], GREEDY.max_tokens))
 
 
-@pytest.mark.parametrize("variant", [dict(rope_interleave=False), dict(q_lora_rank=None, first_k_dense_replace=0)])
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's kind of config
+
+
+@pytest.mark.parametrize("variant", [dict(rope_interleave=False), dict(q_lora_rank=None, first_k_dense_replace=0),
+                                     dict(rope_parameters=YARN)])
 def test_other_deepseek_layouts_equal_transformers(variant, tmp_path, smollm_dir):
-    """Rotary dimensions not interleaved; a query without low-rank compression and MoE in every layer."""
+    """Rotary dimensions not interleaved; a query without low-rank compression and MoE in every layer;
+    YaRN with DeepSeek's softmax scale, past the original context."""
     path = save_random_deepseek(tmp_path, smollm_dir, **variant)
-    prompts = token_prompts((90, 9))
+    prompts = token_prompts((300, 9))
     llm = new_llm(path)
     try:
         outputs = llm.generate(prompts, GREEDY)

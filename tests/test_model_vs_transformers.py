@@ -125,7 +125,7 @@ TINY = dict(
 )
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_bias", "llama_yarn"])
 def test_tiny_random_models_match_transformers(family, tmp_path, smollm_dir):
     import transformers
 
@@ -134,6 +134,9 @@ def test_tiny_random_models_match_transformers(family, tmp_path, smollm_dir):
         config = transformers.Qwen2Config(**TINY, rope_theta=1e6)
     elif family == "qwen3":
         config = transformers.Qwen3Config(**TINY, head_dim=32, rope_theta=1e6)
+    elif family == "llama_yarn":  # YaRN-extended context (Qwen's and Llama's long-context configs)
+        config = transformers.LlamaConfig(**TINY, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 5e4, "factor": 8.0, "original_max_position_embeddings": 64})
     else:
         config = transformers.LlamaConfig(**TINY, attention_bias=True, rope_theta=5e4)
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -41,6 +41,7 @@ from pdserve.models.llama import (
     RMSNorm,
     RotaryEmbedding,
     Rotation,
+    Yarn,
     _rows,
     load_mlp,
     row_parallel,
@@ -106,6 +107,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = Linear(h * mla.v_head_dim, cfg.hidden_size, bias=mla.attention_bias)
         self.scale = qk**-0.5
+        yarn = Yarn.from_config(cfg)
+        if yarn is not None and yarn.mscale_all_dim:  # DeepSeek scales the softmax too under YaRN
+            self.scale *= Yarn.get_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight as W_UK [H, nope, rank] and W_UV [H, v, rank]."""
@@ -257,7 +261,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, mla, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions)
+        self.rope = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions, Yarn.from_config(cfg))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:

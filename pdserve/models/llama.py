@@ -9,6 +9,8 @@ are built (`use_native_kernels`); the torch expressions beside them are the port
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
@@ -107,12 +109,62 @@ class RMSNorm(nn.Module):
 Rotation = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN context extension (rope_type "yarn"): low frequencies interpolated by `factor`, high ones
+    kept, a linear ramp between; cos / sin scaled by the attention factor."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> Yarn | None:
+        rope = cfg.hf.get("rope_parameters") or cfg.hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) != "yarn":
+            return None
+        original = rope["original_max_position_embeddings"]
+        return cls(rope.get("factor") or cfg.max_position_embeddings / original, original,
+                   rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0, rope.get("mscale"),
+                   rope.get("mscale_all_dim"), rope.get("attention_factor"), rope.get("truncate", True))
+
+    @staticmethod
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def cos_sin_scale(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self.get_mscale(self.factor, self.mscale) / self.get_mscale(self.factor, self.mscale_all_dim)
+        return self.get_mscale(self.factor)
+
+    def inv_freq(self, dim: int, theta: float, device=None) -> torch.Tensor:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low or 0.001)).clamp(0, 1)
+        base = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+        extrapolated = 1 - ramp  # the share of a frequency that is kept as it was trained
+        return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * extrapolated
+
+
 class RotaryEmbedding(nn.Module):
     native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, yarn: Yarn | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.head_dim, self.theta, self.max_positions, self.yarn = head_dim, theta, max_positions, yarn
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
@@ -120,10 +172,14 @@ class RotaryEmbedding(nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """Fill the cos/sin tables in float32 (also after the model was built on the meta device)."""
         dim = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+        if self.yarn is not None:
+            inv_freq = self.yarn.inv_freq(dim, self.theta, device)
+        else:
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
         freqs = torch.outer(torch.arange(self.max_positions, device=device).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        scale = self.yarn.cos_sin_scale if self.yarn is not None else 1.0
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """The rotation of a forward pass's tokens at `positions`, for every layer."""
@@ -228,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, Yarn.from_config(cfg))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
