@@ -42,16 +42,12 @@ class KVSender:
         if isinstance(req, PullDone):  # opening with PullDone: D drops the request without pulling
             send_msg(conn, Ack(ok=self.held.release(req.request_id)))
             return
-        transport, plan = self.transports.to_serve(req.transport, req.layout), []
-        if not isinstance(transport, str):
-            try:
-                plan = self.transports.pieces(req.tp_size, producer=True)
-            except ValueError as exc:
-                transport = str(exc)
-        error = transport if isinstance(transport, str) else self.held.pin(req.request_id, req.block_ids)
+        serving = self.transports.to_serve(req.transport, req.layout, req.tp_size, producer=True)
+        error = serving if isinstance(serving, str) else self.held.pin(req.request_id, req.block_ids)
         if error:
             send_msg(conn, PullReply(ok=False, error=error))
             return
+        transport, plan = serving
         done = False
         pools = self.transports
         try:

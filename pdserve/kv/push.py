@@ -283,19 +283,15 @@ class PushReceiver:
 
     def _claim(self, begin: PushBegin) -> tuple[Transport, list[Piece]] | str:
         """The session's transport and this side's read plan, or why it is refused."""
-        transport = self.transports.to_serve(begin.transport, begin.layout)
-        if isinstance(transport, str):
-            return transport
-        try:
-            plan = self.transports.pieces(begin.tp_size, producer=False)
-        except ValueError as exc:
-            return str(exc)
+        serving = self.transports.to_serve(begin.transport, begin.layout, begin.tp_size, producer=False)
+        if isinstance(serving, str):
+            return serving
         with self._lock:
             exp = self._expected.get(begin.request_id)
             if exp is None or exp.cancelled or exp.active:
                 return f"not waiting for a push of request {begin.request_id!r}"
             exp.active = True
-        return transport, plan
+        return serving
 
     def _session(self, conn: socket.socket, begin: PushBegin) -> None:
         rid = begin.request_id

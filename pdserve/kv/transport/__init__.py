@@ -53,14 +53,19 @@ class Transports(dict[str, Transport]):
         tp_p, tp_d = (self.tp_size, peer_tp) if producer else (peer_tp, self.tp_size)
         return pieces(self.pool.model_kv_heads, tp_p, tp_d, producer)
 
-    def to_serve(self, name: str, layout: KVLayout) -> Transport | str:
-        """The transport a peer named for a transfer it drives, or why this node cannot serve it."""
+    def to_serve(self, name: str, layout: KVLayout, peer_tp: int, producer: bool) -> tuple[Transport, list[Piece]] | str:
+        """The transport a peer named for a transfer it drives and this node's side of the read plan,
+        or why this node cannot serve it."""
         if layout != self.pool.layout:
             return f"KV layout mismatch: this node {self.pool.layout}, peer {layout}"
         transport = self.get(name)
         if transport is None:
             return f"unknown KV transport {name!r}"
-        return transport.serve_error() or transport
+        try:
+            plan = self.pieces(peer_tp, producer)
+        except ValueError as exc:
+            return str(exc)
+        return transport.serve_error() or (transport, plan)
 
     def close(self) -> None:
         for transport in self.values():
