@@ -241,6 +241,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The forward pass, logits, dtypes and quantization are the Llama decoder's; the layers differ."""
 
     decode_attention = "mla"  # its own: absorbed weights over the latents (not the K/V paged kernel)
+    float32_weights = ("mlp.gate.weight",)  # the router's, as DeepSeek keeps it
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:

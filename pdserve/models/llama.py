@@ -270,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
     # Decode attention: models/attention.py's over K and V planes (pdserve's C++ kernel where built,
     # else SDPA); a model with its own names it.
     decode_attention = "paged"
+    float32_weights: tuple[str, ...] = ()  # names (suffixes) of matrices kept in float32 whatever the dtype
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:

@@ -37,8 +37,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
         with safe_open(str(f), framework="pt") as reader:
             for name in reader.keys():
                 tensor = reader.get_tensor(name)
-                # Matrices take the compute dtype now; vectors (norms, biases) keep their precision.
-                weights[name] = tensor.to(load_dtype) if tensor.dim() > 1 else tensor
+                # Matrices take the compute dtype now; vectors (norms, biases) and the model's
+                # float32 weights (a MoE router's) keep their precision.
+                cast = tensor.dim() > 1 and not name.endswith(cls.float32_weights)
+                weights[name] = tensor.to(load_dtype) if cast else tensor
     with torch.device("meta"):
         model = cls(config, max_positions, tp)
     model = model.to_empty(device=device)
