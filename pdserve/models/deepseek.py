@@ -160,14 +160,10 @@ class MLAttention(nn.Module):
         """MQA over the cached latents: [B, H, latent] queries, one key of the latent's width, the
         value its first kv_lora_rank values; W_UV turns each head's result into its value."""
         latents = _gather(kv_cache, group.block_tables)[0, :, :, 0]  # [B, L, latent]
-        mask = group.mask
-        if mask is None:  # groups built for a kernel carry context lengths instead of a mask
-            visible = torch.arange(latents.shape[1], device=query.device) < group.context_lens[:, None]
-            mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                ~visible, float("-inf"))[:, None, None, :]
         # One KV head for all H query heads: two batched matmuls over [B, H, L] scores (an SDPA would
-        # expand the latent to every head first).
-        scores = torch.bmm(query, latents.transpose(1, 2)).mul_(self.scale) + mask[:, 0].to(query.dtype)
+        # expand the latent to every head first). The group's mask hides each row's padding (the
+        # engine builds masked groups for a model with its own decode attention).
+        scores = torch.bmm(query, latents.transpose(1, 2)).mul_(self.scale) + group.mask[:, 0].to(query.dtype)
         probs = scores.float().softmax(dim=-1).to(query.dtype)
         o = torch.bmm(probs, latents[..., : self.mla.kv_lora_rank])  # [B, H, rank]
         return torch.einsum("bhr,hvr->bhv", o, w_uv)
