@@ -40,7 +40,8 @@ test: install-test
 # equivalence tests (push = pull = colocated; int4) on the portable path as an AVX2-only CPU runs it.
 test-portable: install-test
 	$(PORTABLE_AVX2) $(PY) -m pytest -q tests/test_model_vs_transformers.py tests/test_platform.py \
-		tests/test_pd_push.py::test_push_equals_pull_equals_colocated tests/test_quantization.py
+		tests/test_pd_push.py::test_push_equals_pull_equals_colocated tests/test_quantization.py \
+		tests/test_mla.py::test_greedy_tokens_equal_transformers_and_logprobs_are_close
 
 # The whole suite on that path (about as long as `make test`).
 test-avx2: install-test
