@@ -8,6 +8,7 @@ import pytest
 import torch
 from servers import NODE, start_pdserve
 
+from pdserve.benchmarks.random_models import save_random_model
 from pdserve.models.locate import default_gguf_path, resolve_model_dir
 from pdserve.models.native import native_ops
 
@@ -57,25 +58,18 @@ def fp32_node(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def random_llama(tmp_path_factory, smollm_dir):
+def random_llama(tmp_path_factory):
     """A seeded random Llama (8 heads, 2 KV heads, every bias): TP 2 splits its KV heads, TP 4
     replicates each on two ranks."""
     import transformers
 
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                                       tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
                                       bos_token_id=1, eos_token_id=2)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random biases and norms: every row-parallel bias must be added exactly once
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp("random-llama")
-    model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_dir / f, path / f)
+    # Random biases and norms: every row-parallel bias must be added exactly once.
+    save_random_model(config, path, perturbed=("bias", "norm"))
     return str(path)
 
 
@@ -86,25 +80,17 @@ MLA_CONFIG = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, moe_
                   max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
 
 
-def save_random_deepseek(path, smollm_dir, **overrides) -> str:
+def save_random_deepseek(path, **overrides) -> str:
     """A seeded tiny random DeepSeek-V3 (MLA, one dense layer then MoE) saved by transformers, with
     SmolLM2's tokenizer; random norms and router biases, so that every weight counts."""
     import transformers
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.DeepseekV3Config(**{**MLA_CONFIG, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "e_score" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_dir / f, path / f)
+    save_random_model(transformers.DeepseekV3Config(**{**MLA_CONFIG, **overrides}), path,
+                      perturbed=("norm", "e_score"))
     return str(path)
 
 
 @pytest.fixture(scope="session")
-def mla_model(tmp_path_factory, smollm_dir):
+def mla_model(tmp_path_factory):
     """The tiny random DeepSeek-V3 (4 heads, kv_lora_rank 64, qk_rope_head_dim 16: a 80-value latent)."""
-    return save_random_deepseek(tmp_path_factory.mktemp("deepseek-v3"), smollm_dir)
+    return save_random_deepseek(tmp_path_factory.mktemp("deepseek-v3"))

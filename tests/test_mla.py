@@ -87,10 +87,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 @pytest.mark.parametrize("variant", [dict(rope_interleave=False), dict(q_lora_rank=None, first_k_dense_replace=0),
                                      dict(rope_parameters=YARN)])
-def test_other_deepseek_layouts_equal_transformers(variant, tmp_path, smollm_dir):
+def test_other_deepseek_layouts_equal_transformers(variant, tmp_path):
     """Rotary dimensions not interleaved; a query without low-rank compression and MoE in every layer;
     YaRN with DeepSeek's softmax scale, past the original context."""
-    path = save_random_deepseek(tmp_path, smollm_dir, **variant)
+    path = save_random_deepseek(tmp_path, **variant)
     prompts = token_prompts((300, 9))
     llm = new_llm(path)
     try:

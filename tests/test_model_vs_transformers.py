@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from helpers import hf_greedy
 from safetensors.torch import load_file
 
 from pdserve import LLM, SamplingParams
+from pdserve.benchmarks.random_models import save_random_model
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.tokenizer import Tokenizer
 
@@ -126,10 +125,9 @@ TINY = dict(
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_bias", "llama_yarn"])
-def test_tiny_random_models_match_transformers(family, tmp_path, smollm_dir):
+def test_tiny_random_models_match_transformers(family, tmp_path):
     import transformers
 
-    torch.manual_seed(0)
     if family == "qwen2":
         config = transformers.Qwen2Config(**TINY, rope_theta=1e6)
     elif family == "qwen3":
@@ -139,14 +137,8 @@ def test_tiny_random_models_match_transformers(family, tmp_path, smollm_dir):
             "rope_type": "yarn", "rope_theta": 5e4, "factor": 8.0, "original_max_position_embeddings": 64})
     else:
         config = transformers.LlamaConfig(**TINY, attention_bias=True, rope_theta=5e4)
-    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random biases and norms, so that every parameter matters
-        for name, p in reference.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    reference.save_pretrained(tmp_path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_dir / f, tmp_path / f)
+    # Random biases and norms, so that every parameter matters.
+    reference = save_random_model(config, tmp_path, perturbed=("bias", "norm"))
 
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
     assert llm.engine.model_config.model_type == config.model_type

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 from pdserve import LLM, SamplingParams
+from pdserve.benchmarks.random_models import save_random_model
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.tp_transfer import BLOCK, time_transfers
 from pdserve.config import ModelConfig
@@ -33,11 +34,7 @@ SIZE = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidde
 
 
 def build(path: str, kind: str) -> str:
-    import shutil
-
     import transformers
-
-    from pdserve.models.locate import resolve_model_dir
 
     if kind == "GQA":
         config = transformers.LlamaConfig(**SIZE, num_key_value_heads=2, head_dim=64)
@@ -46,9 +43,7 @@ def build(path: str, kind: str) -> str:
                                                qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
                                                n_routed_experts=8, n_group=1, topk_group=1,
                                                first_k_dense_replace=SIZE["num_hidden_layers"])
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve_model_dir(None) / f, f"{path}/{f}")
+    save_random_model(config, path)
     return path
 
 

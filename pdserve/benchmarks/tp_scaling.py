@@ -21,24 +21,19 @@ import tempfile
 import time
 
 from pdserve import LLM, SamplingParams
+from pdserve.benchmarks.random_models import save_random_model
 from pdserve.benchmarks.report import publish
 from pdserve.workload import random_prompts
 
 
 def random_llama(path: str) -> str:
     """SmolLM2's shape (30 layers, hidden 512 here, MLP 1536) with 8 heads and 2 KV heads."""
-    import shutil
-
     import transformers
 
-    from pdserve.models.locate import resolve_model_dir
-
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve_model_dir(None) / f, f"{path}/{f}")
+    save_random_model(transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2), path)
     return path
 
 

@@ -52,11 +52,6 @@ def _source(head: int, d: int, num_kv_heads: int, tp_p: int, tp_d: int) -> int:
     return holders[d % len(holders)]
 
 
-def readers(plan: list[HeadRead], p_rank: int) -> set[int]:
-    """The D ranks that read from P rank `p_rank`: P frees a request's blocks once all have."""
-    return {r.d_rank for r in plan if r.p_rank == p_rank}
-
-
 @dataclass(frozen=True)
 class Piece:
     """One read of the plan as one side sees it: a run of KV heads moved between this node's TP rank

@@ -69,6 +69,7 @@ class MLAConfig:
     norm_topk_prob: bool
     routed_scaling_factor: float
     first_k_dense_replace: int
+    yarn: Yarn | None  # the rotary part's context extension, which scales the softmax too
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> MLAConfig:
@@ -78,7 +79,8 @@ class MLAConfig:
                    hf["moe_intermediate_size"], hf.get("n_routed_experts") or 0, hf.get("n_shared_experts") or 0,
                    hf.get("num_experts_per_tok") or 1, hf.get("n_group") or 1, hf.get("topk_group") or 1,
                    bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0)),
-                   hf.get("first_k_dense_replace", 0) if hf.get("n_routed_experts") else cfg.num_layers)
+                   hf.get("first_k_dense_replace", 0) if hf.get("n_routed_experts") else cfg.num_layers,
+                   Yarn.from_config(cfg))
 
     @property
     def latent_dim(self) -> int:
@@ -87,6 +89,14 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1 / sqrt(qk_head_dim); DeepSeek scales it by mscale^2 under YaRN (mscale_all_dim)."""
+        scale = self.qk_head_dim**-0.5
+        if self.yarn is not None and self.yarn.mscale_all_dim:
+            scale *= Yarn.get_mscale(self.yarn.factor, self.yarn.mscale_all_dim) ** 2
+        return scale
 
 
 class MLAttention(nn.Module):
@@ -106,10 +116,7 @@ class MLAttention(nn.Module):
         # A plain nn.Linear: never quantized or packed, since decode reads its weight as W_UK / W_UV.
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = Linear(h * mla.v_head_dim, cfg.hidden_size, bias=mla.attention_bias)
-        self.scale = qk**-0.5
-        yarn = Yarn.from_config(cfg)
-        if yarn is not None and yarn.mscale_all_dim:  # DeepSeek scales the softmax too under YaRN
-            self.scale *= Yarn.get_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+        self.scale = mla.softmax_scale
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight as W_UK [H, nope, rank] and W_UV [H, v, rank]."""
@@ -258,7 +265,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, mla, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions, Yarn.from_config(cfg))
+        self.rope = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions, mla.yarn)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:

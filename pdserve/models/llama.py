@@ -145,7 +145,10 @@ class Yarn:
             return self.get_mscale(self.factor, self.mscale) / self.get_mscale(self.factor, self.mscale_all_dim)
         return self.get_mscale(self.factor)
 
-    def inv_freq(self, dim: int, theta: float, device=None) -> torch.Tensor:
+    def extend(self, inv_freq: torch.Tensor, theta: float) -> torch.Tensor:
+        """Plain RoPE's inverse frequencies (of a head of 2 x len(inv_freq) dims), extended."""
+        dim = 2 * len(inv_freq)
+
         def correction_dim(rotations: float) -> float:
             return dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -153,10 +156,9 @@ class Yarn:
         if self.truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dim - 1)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low or 0.001)).clamp(0, 1)
-        base = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-        extrapolated = 1 - ramp  # the share of a frequency that is kept as it was trained
-        return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * extrapolated
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+                / (high - low or 0.001)).clamp(0, 1)  # 0: kept as trained, 1: interpolated
+        return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
 
 
 class RotaryEmbedding(nn.Module):
@@ -172,10 +174,9 @@ class RotaryEmbedding(nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """Fill the cos/sin tables in float32 (also after the model was built on the meta device)."""
         dim = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
         if self.yarn is not None:
-            inv_freq = self.yarn.inv_freq(dim, self.theta, device)
-        else:
-            inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+            inv_freq = self.yarn.extend(inv_freq, self.theta)
         freqs = torch.outer(torch.arange(self.max_positions, device=device).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.yarn.cos_sin_scale if self.yarn is not None else 1.0
