@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice; with TP, each rank's share of the cores)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                        help="ranks (processes) that split the model's heads and MLP and the KV pool (--role both)")
+                        help="ranks (processes) that split the model's heads and MLP and the KV pool")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB", help="KV pool size in GiB")
     parser.add_argument("--block-size", type=int, default=16)

@@ -135,8 +135,8 @@ class LLMEngine:
         # Decode attention and the fused elementwise ops on pdserve's C++ kernels unless forced
         # portable or they cannot be built here (no compiler): then torch ops, SDPA over gathered blocks.
         ops = native_ops() if self.plan.compiled else None
+        kernel = model.decode_kernel(ops)
         paged = model.decode_attention == "paged"  # the K/V paged attention (models/attention.py), else the model's own
-        kernel = ops.paged_decode_attention if ops is not None and paged else None
         self.attention = "native" if kernel is not None else "sdpa" if paged else model.decode_attention
         if ops is not None:
             model.use_native_kernels(ops)

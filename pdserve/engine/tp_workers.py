@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pdserve.models.attention import AttentionMetadata, DecodeKernel
+from pdserve.models.attention import AttentionMetadata
 from pdserve.models.parallel import TensorParallel
 
 TIMEOUT_S = 600.0  # a collective that waits longer fails (the first waits for every rank's model to load)
@@ -119,11 +119,10 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     pool = KVPool.for_model(kv_cache_spec(ModelConfig.from_dir(spec.model_dir), spec.dtype, tp), spec.num_blocks,
                             spec.block_size, spec.device,
                             shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
-    kernel: DecodeKernel | None = None
     ops = native_ops() if spec.compiled else None
     if ops is not None:
         model.use_native_kernels(ops)
-        kernel = ops.paged_decode_attention if model.decode_attention == "paged" else None
+    kernel = model.decode_kernel(ops)
     kv_caches = list(pool.tensor.unbind(0))
     with torch.inference_mode():
         while True:

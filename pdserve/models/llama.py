@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.models.attention import AttentionMetadata, paged_attention
+from pdserve.models.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.parallel import SINGLE, TensorParallel
 from pdserve.models.quantization import MAX_QUANTIZED_ROWS, QuantizedWeight, can_quantize, quantize
@@ -322,6 +322,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.float()
                 module.out_dtype = dtype
+
+    def decode_kernel(self, ops: ModuleType | None) -> DecodeKernel | None:
+        """pdserve's C++ paged decode attention, where it is built and this model decodes through the
+        K/V paged attention."""
+        return ops.paged_decode_attention if ops is not None and self.decode_attention == "paged" else None
 
     def use_native_kernels(self, ops: ModuleType) -> None:
         """Run the elementwise chains on pdserve's C++ kernels (models/native.py)."""
