@@ -1,8 +1,13 @@
-"""Shared fixtures: the real SmolLM2 model (converted once into the user cache) and its reference."""
+"""Shared fixtures: the real SmolLM2 model (converted once into the user cache) and its reference;
+the connect guard (guard/connect_guard.py) over every Python process of the session, and what the
+session leaves behind, read before it starts (tests/test_footprint.py compares, last)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +16,25 @@ from servers import NODE, start_pdserve
 from pdserve.benchmarks.random_models import save_random_model
 from pdserve.models.locate import default_gguf_path, resolve_model_dir
 from pdserve.models.native import native_ops
+
+GUARD_DIR = os.path.join(os.path.dirname(__file__), "guard")
+sys.path.insert(0, GUARD_DIR)
+import connect_guard  # noqa: E402
+
+connect_guard.SESSION_START = connect_guard.footprint()
+_guard_tmp = tempfile.mkdtemp(prefix="pdserve-connect-guard-")
+os.environ[connect_guard.LOG_ENV] = os.path.join(_guard_tmp, "connects.jsonl")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (GUARD_DIR, os.environ.get("PYTHONPATH")) if p)
+connect_guard.install()
+
+
+def pytest_collection_modifyitems(items):
+    """tests/test_footprint.py runs last: it reads what the whole session did."""
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") == "test_footprint")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_guard_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -186,8 +186,12 @@ def test_without_ray_up_says_how_to_get_it(tmp_path):
     assert done.returncode == 2 and "pip install 'pdserve[ray]'" in done.stderr, done.stderr
 
 
-def test_one_machine_ray_packed_and_gone_after_ctrl_c(tmp_path, fp32_node):
-    """`pdserve up --ray` with no cluster running starts one here; Ctrl-C leaves no actor, no Ray."""
+def test_one_machine_ray_with_a_stale_record_starts_its_own_and_is_gone_after_ctrl_c(tmp_path, fp32_node, request):
+    """`pdserve up --ray` (auto) where Ray's temp dir records a head that is not on this machine, as
+    a deleted namespace's once was: it says the record is stale, never connects to that address,
+    starts a cluster here and answers; Ctrl-C leaves no actor, no Ray. The recorded address is a
+    listener in the other test host's namespace that counts the connections it accepts (without
+    namespaces: no record, the rest as said)."""
     if RAY_MISSING:
         pytest.skip(RAY_MISSING)
     port = free_port()
@@ -197,20 +201,86 @@ def test_one_machine_ray_packed_and_gone_after_ctrl_c(tmp_path, fp32_node):
     ray_tmp = tempfile.mkdtemp(prefix="pdr", dir="/tmp")  # (and HOME: Ray leaves an auth token in ~/.ray)
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp, "HOME": ray_tmp,
            "PDSERVE_CACHE_DIR": str(cache_root())}
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", "--placement", "pack", "--port",
-                           str(port), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    listener = None
+    if why_not() is None:
+        hosts, _ = request.getfixturevalue("ray_hosts")
+        listener = hosts[1].popen([sys.executable, "-c", COUNT_CONNECTIONS, hosts[1].address],
+                                  stdout=subprocess.PIPE, text=True)
+        recorded = f"{hosts[1].address}:{int(listener.stdout.readline())}"
+        os.makedirs(os.path.join(ray_tmp, "ray"))
+        Path(ray_tmp, "ray", "ray_current_cluster").write_text(recorded)
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", "auto", "--placement", "pack",
+                           "--port", str(port), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, up, log, 300)
-        assert "started a Ray cluster on this machine" in log.read_text()
+        text = log.read_text()
+        assert "started a Ray cluster on this machine" in text
+        if listener is not None:
+            assert f"({recorded}) is not an address of this machine: stale" in text, text[-3000:]
         assert complete(url, PROMPTS[0]) == complete(fp32_node.url, PROMPTS[0])
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0, log.read_text()[-3000:]
         shutil.rmtree(ray_tmp, ignore_errors=True)
+        if listener is not None:
+            listener.terminate()
+            accepted = listener.communicate(timeout=30)[0].split()
+    if listener is not None:
+        assert accepted == ["0"], f"the stale address was connected to: {accepted}"
     here = os.readlink("/proc/self/ns/net")  # (the namespaced cluster of the other tests may still run)
     assert not [pid for pid in _pids() if ("raylet" in _cmdline(pid) or "gcs_server" in _cmdline(pid))
                 and _netns(pid) == here]
+
+
+# Listens on argv[1] (a free port), prints the port, then on SIGTERM how many connections it accepted.
+COUNT_CONNECTIONS = """
+import signal, socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+server.settimeout(0.1)
+stop, accepted = [], 0
+signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+while not stop:
+    try:
+        server.accept()[0].close()
+        accepted += 1
+    except (TimeoutError, InterruptedError):
+        pass
+print(accepted, flush=True)
+"""
+
+
+@pytest.mark.parametrize("answer", ["http", "nothing"])
+def test_an_explicit_address_that_is_no_ray_cluster_fails_naming_it(tmp_path, answer):
+    """`--ray HOST:PORT` where an HTTP server answers (as in the stale-address report: a 404 to Ray's
+    gRPC, retried without end) or nothing listens: non-zero within 30 s, naming the address."""
+    if RAY_MISSING:
+        pytest.skip(RAY_MISSING)
+    port = free_port()
+    server = None
+    if answer == "http":
+        server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "HOME": str(tmp_path),
+           "RAY_TMPDIR": str(tmp_path)}
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--ray", f"127.0.0.1:{port}", *NODE],
+                              capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+    took = time.monotonic() - start
+    assert done.returncode == 1 and took < 30, (took, done.stdout[-2000:], done.stderr[-2000:])
+    assert f"no Ray cluster answers at 127.0.0.1:{port} (from --ray)" in done.stderr, done.stderr[-2000:]
 
 
 def _pids() -> list[int]:

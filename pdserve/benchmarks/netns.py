@@ -136,15 +136,20 @@ class RayOnHosts:
     """A Ray cluster over the hosts: the head on the first, a worker on each other, `cpus` logical
     CPUs each. A context manager; on exit every Ray process in the namespaces is stopped.
 
-    Its processes, and the drivers that join it, run with `env`: a HOME of their own, so that what
-    other Ray clusters of this machine left in ~/.ray (an auth token) does not reach them."""
+    Its processes, and the drivers that join it, run with `env`: a HOME and a Ray temp dir
+    ($RAY_TMPDIR) of their own, both removed on exit. So what other Ray clusters of this machine left
+    in ~/.ray (an auth token) does not reach them, and what they leave (the head's address in
+    ray_current_cluster, sessions, logs) reaches no later command: that address is gone with the
+    namespaces, and a later `pdserve up --ray auto` must not find it."""
 
     def __init__(self, hosts: list[Host], cpus: int, port: int = 6379, object_store_bytes: int = 100 * 2**20) -> None:
         self.hosts, self.cpus, self.port, self.store = hosts, cpus, port, object_store_bytes
         self.ray = str(Path(sys.executable).with_name("ray"))
-        self.home = tempfile.mkdtemp(prefix="pdserve-ray-home-")
+        # Short: Ray's unix sockets live under the temp dir (108 bytes a path at most).
+        self.home = tempfile.mkdtemp(prefix="pdr", dir="/tmp")
         # pdserve's cache (converted models, built kernels) stays where it is.
-        self.env = {**os.environ, "HOME": self.home, "PDSERVE_CACHE_DIR": str(cache_root())}
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "HOME": self.home,
+                    "RAY_TMPDIR": self.home, "PDSERVE_CACHE_DIR": str(cache_root())}
 
     @property
     def address(self) -> str:

@@ -38,6 +38,7 @@ from pdserve.models.llama import (
     MLP,
     Linear,
     LlamaForCausalLM,
+    OutputHead,
     RMSNorm,
     RotaryEmbedding,
     Rotation,
@@ -244,7 +245,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The forward pass, logits, dtypes and quantization are the Llama decoder's; the layers differ."""
 
     decode_attention = "mla"  # its own: absorbed weights over the latents (not the K/V paged kernel)
-    float32_weights = ("mlp.gate.weight",)  # the router's, as DeepSeek keeps it
+    float32_weights = (*LlamaForCausalLM.float32_weights, "mlp.gate.weight")  # and the router's, as DeepSeek keeps it
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
@@ -266,7 +267,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.layers = nn.ModuleList(DecoderLayer(cfg, mla, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions, mla.yarn)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         super().set_compute_dtype(dtype)

@@ -22,7 +22,15 @@ from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.parallel import SINGLE, TensorParallel
-from pdserve.models.quantization import MAX_QUANTIZED_ROWS, QuantizedWeight, can_quantize, quantize
+from pdserve.models.quantization import (
+    INT8_GROUP,
+    MAX_QUANTIZED_ROWS,
+    Int8GroupWeight,
+    QuantizedWeight,
+    can_quantize,
+    quantize,
+    quantize_int8_groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +60,9 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
 
     def quantize(self, method: str) -> None:
-        """Decode on `method` codes; the dense weight becomes the dequantized one, in place (so that
-        a tied embedding reads the same weights)."""
-        self.quantized, dequantized = quantize(method, self.weight.detach())
-        with torch.no_grad():
-            self.weight.copy_(dequantized)
+        """Decode on `method` codes; the dense weight stays the file's (prefill computes the file's
+        model, only the decode kernel approximates it)."""
+        self.quantized, _ = quantize(method, self.weight.detach())
 
     def pack_for_cpu(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -79,6 +85,32 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
+
+
+class OutputHead(Linear):
+    """The output head: float32 logits on every path, nothing rounded between it and the sampler
+    (bf16 logits, a step of 0.125 at SmolLM2's magnitudes, made greedy ties and wrong answers).
+
+    Its weight stays float32 whatever the model's dtype: the file's values (a tied embedding reads
+    them too). Decode rows, while at most MAX_QUANTIZED_ROWS, run on int8 codes in groups of 32
+    (GGUF's Q8_0 layout; 1/4 of the bytes a decode step streams) through pdserve's C++ `int8_head`,
+    which takes and writes float32; prefill rows, bigger batches and the portable path (no C++
+    kernels) take a float32 GEMM."""
+
+    native: ModuleType | None = None  # pdserve's C++ kernels, where built
+    quantized: Int8GroupWeight | None = None
+
+    def quantize(self, method: str) -> None:
+        self.quantized = quantize_int8_groups(self.weight.detach())
+
+    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        x = x.float()
+        if self.quantized is None or self.native is None or not 0 < decode_rows <= MAX_QUANTIZED_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        out = self.native.int8_head(x[:decode_rows].contiguous(), self.quantized.codes, self.quantized.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out if decode_rows == x.shape[0] else torch.cat((out, F.linear(x[decode_rows:], self.weight, self.bias)))
 
 
 class RMSNorm(nn.Module):
@@ -271,7 +303,9 @@ class LlamaForCausalLM(nn.Module):
     # Decode attention: models/attention.py's over K and V planes (pdserve's C++ kernel where built,
     # else SDPA); a model with its own names it.
     decode_attention = "paged"
-    float32_weights: tuple[str, ...] = ()  # names (suffixes) of matrices kept in float32 whatever the dtype
+    # Names (suffixes) of matrices kept in float32 whatever the dtype: the output head (float32
+    # logits) and the embedding (tied to it in many models; the residual stream is float32 anyway).
+    float32_weights: tuple[str, ...] = ("embed_tokens.weight", "lm_head.weight")
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
@@ -287,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, Yarn.from_config(cfg))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
         self,
@@ -300,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
         residual = self.embed_tokens(input_ids).float()
-        rotate = self.rope.rotation(positions, self.embed_tokens.weight.dtype)
+        rotate = self.rope.rotation(positions, self.compute_dtype)
         delta = None
         for i, layer in enumerate(self.layers):
             delta = layer(residual, delta, rotate, kv_caches[i], meta)
@@ -309,19 +343,36 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(delta, residual)
 
     def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        return self.lm_head(hidden, decode_rows).float()
+        """float32 logits of the final norm's float32 output."""
+        return self.lm_head(hidden, decode_rows)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    compute_dtype: torch.dtype = torch.float32
+
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Weights in `dtype`, norms and the residual stream in float32."""
+        """Projections in `dtype`; norms, the residual stream, the embedding and the output head in
+        float32 (the final norm's output too: it feeds the head)."""
+        # Their float32 tensors are put back after the cast, not cast back from `dtype`: a quantized
+        # model is loaded in float32 and then cast, and a round trip through bf16 would round them.
+        norms = {f"{name}.{p}" for name, m in self.named_modules() if isinstance(m, RMSNorm) for p, _ in
+                 m.named_parameters()}
+        kept = {name: p.data for name, p in self.named_parameters(remove_duplicate=False)
+                if p.dtype == torch.float32 and (name in norms or name.endswith(self.float32_weights))}
         self.to(dtype)
+        self.compute_dtype = dtype
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if name in kept:
+                p.data = kept[name]
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.float()
                 module.out_dtype = dtype
+        self.embed_tokens.float()
+        self.lm_head.float()
+        self.norm.out_dtype = torch.float32
 
     def decode_kernel(self, ops: ModuleType | None) -> DecodeKernel | None:
         """pdserve's C++ paged decode attention, where it is built and this model decodes through the
@@ -331,17 +382,21 @@ class LlamaForCausalLM(nn.Module):
     def use_native_kernels(self, ops: ModuleType) -> None:
         """Run the elementwise chains on pdserve's C++ kernels (models/native.py)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, OutputHead)):
                 module.native = ops
 
     def quantize(self, method: str) -> dict[str, int]:
-        """Quantize the projections to `method` (int4 | int8) and the output head to int8 (the
-        logits are the most sensitive: GGUF files keep it at 8 bits too). Returns bytes by format."""
+        """Quantize the projections to `method` (int4 | int8) and the output head to int8 in groups
+        (the logits are the most sensitive: GGUF files keep it at 8 bits too). Returns bytes by format."""
         nbytes: dict[str, int] = {}
         for name, module in self.named_modules():
             if not isinstance(module, Linear):
                 continue
             kind = "int8" if module is self.lm_head else method
+            if module is self.lm_head and module.weight.shape[1] % INT8_GROUP:
+                logger.warning("the output head %s stays dense: K is no multiple of %d", tuple(module.weight.shape),
+                               INT8_GROUP)
+                continue
             if not can_quantize(kind, module.weight):
                 logger.warning("%s %s stays dense: torch's %s kernel does not take this shape", name,
                                tuple(module.weight.shape), kind)

@@ -7,16 +7,22 @@ matmuls (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`); they take bfloat
 (float32 ones run a scalar path ~10x slower), so a small batch is cast to bf16 and back.
 
 Only decode rows take the quantized kernels, and only while a step has at most MAX_QUANTIZED_ROWS of
-them: beyond, and for prefill, a dense GEMM is compute-bound and faster. So each layer also keeps a
-dense weight, the dequantized one: both paths compute with the same weights, and the model *is* the
-dequantized model (what a reference, transformers, must load to compare). Choosing by row kind, not
-by batch size, keeps a token's path independent of what it is batched with (up to 16 decodes): a
-decode node computes it as a colocated node does.
+them: beyond, and for prefill, a dense GEMM is compute-bound and faster. So each layer also keeps its
+dense weight, the file's own (the GGUF's dequantization, fp16 scales included: exact in float32,
+rounded once in bf16): prefill, scoring and prompt logprobs compute the file's model, and only the
+decode kernels approximate it. Choosing by row kind, not by batch size, keeps a token's path
+independent of what it is batched with (up to 16 decodes): a decode node computes it as a colocated
+node does.
 
-A weight that came from GGUF's Q4_1 is recovered exactly: its groups hold their own minimum and
-maximum (q = 0 and q = 15), so min/max requantization gives back the file's codes. Only the group
-scale and offset are rounded to bf16 (the kernel's format): at most 2^-9 of their value. Q4_0 and
-Q4_K groups do not span their full code range, so `auto` requantizes them (within half a step).
+What the decode kernels approximate:
+- int4, a weight that came from GGUF's Q4_1: its groups hold their own minimum and maximum (q = 0
+  and q = 15), so min/max requantization gives back the file's codes; only the group scale and
+  offset are rounded to bf16 (the kernel's format), at most 2^-9 of their value, and the activations
+  are rounded to bf16. Q4_0 and Q4_K groups do not span their full code range, so `auto`
+  requantizes them (within half a step).
+- The output head (int8 in groups of 32, pdserve's C++ kernel, float32 activations and logits): a
+  Q8_0 head is the file's exactly (each group's largest code is +-127, so amax / 127 gives back its
+  fp16 scale); another is requantized within half a step.
 """
 
 from __future__ import annotations
@@ -81,7 +87,21 @@ class Int8Weight:
         return self.codes.nbytes + self.scales.nbytes
 
 
+@dataclass
+class Int8GroupWeight:
+    """[N, K] weight as int8 codes with a float32 scale per group of INT8_GROUP along K (GGUF's Q8_0
+    layout): w = q * scale. Run by pdserve's C++ `int8_head` (float32 in, float32 out)."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K / group]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
 QuantizedWeight = Int4Weight | Int8Weight
+INT8_GROUP = 32
 
 
 def can_quantize(method: str, weight: torch.Tensor) -> bool:
@@ -121,6 +141,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
     scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).bfloat16()
     codes = (w / scale.float().unsqueeze(-1)).round_().clamp_(-128, 127)
     return Int8Weight(codes.to(torch.int8), scale), codes * scale.float().unsqueeze(-1)
+
+
+def quantize_int8_groups(weight: torch.Tensor) -> Int8GroupWeight:
+    """Symmetric int8 codes per group of 32 along K; a Q8_0 weight's own codes and scales exactly."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // INT8_GROUP, INT8_GROUP)
+    scale = (groups.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (groups / scale.unsqueeze(-1)).round_().clamp_(-127, 127)
+    return Int8GroupWeight(codes.to(torch.int8).reshape(n, k), scale.contiguous())
 
 
 def quantize(method: str, weight: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:

@@ -1,8 +1,11 @@
 """`pdserve up --ray`: the P and D nodes as Ray actors across a Ray cluster's machines, the
 proxy on this one.
 
-- Connect: `--ray auto` joins the Ray cluster of this machine (RAY_ADDRESS, or the one `ray
-  start` left running) or, with none, starts one here; `--ray HOST:PORT` joins that cluster.
+- Connect: `--ray HOST:PORT` (or $RAY_ADDRESS) joins that cluster, and fails within seconds,
+  naming it, if it does not answer as a Ray GCS. `--ray auto` joins the cluster whose head `ray
+  start` recorded in Ray's temp dir only if that head is on this machine and names its cluster id
+  within GCS_ANSWER_S; a record that fails either is stale (a cluster long gone, or one inside a
+  network namespace since deleted): it is said so, never connected to, and a cluster starts here.
 - Place: one placement group with a bundle per node (`--ray-cpus` CPUs each), spread across the
   Ray nodes or packed onto as few as fit (`--placement spread|pack`).
 - Start: a `NodeActor` per node (actor.py), each restarted by Ray up to `--ray-max-restarts` times.
@@ -19,12 +22,13 @@ import json
 import logging
 import os
 import secrets
-import socket
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from pdserve.kv.transport.shm import on_this_host
 from pdserve.launcher import StopSignal, node_command, node_roles, node_tp, print_ready, proxy_command, tp_flags
 from pdserve.procs import Child, ProcessGroup, cluster_env
 from pdserve.raycluster.actor import NodeActor, NodeAddress
@@ -34,7 +38,11 @@ STRATEGIES = {"spread": "SPREAD", "pack": "PACK"}
 WATCH_S = 1.0  # how often membership is read from Ray
 ANSWER_S = 2.0  # an actor that does not say where it is within this is out of rotation
 WAIT_NOTE_S = 5.0  # a placement still pending after this is said to be waiting for CPUs
-HEAD_ANSWER_S = 2.0  # a recorded Ray head that does not accept a connection within this is stale
+GCS_ANSWER_S = 10.0  # a Ray head that does not name its cluster id within this is not one
+# Asks a GCS for its cluster id, in a child process: Ray's client retries an address that does not
+# answer as Ray without end, so the child is killed at the bound.
+CLUSTER_ID_PROBE = ("import sys; from ray._raylet import GcsClient; "
+                    "print(GcsClient(address=sys.argv[1]).cluster_id.hex())")
 
 
 def run_up_ray(args) -> int:
@@ -54,7 +62,11 @@ def run_up_ray(args) -> int:
     # nodes than cores when it must).
     # A TP node reserves --ray-cpus per rank, all in one bundle: its ranks run on the actor's host.
     cpus = [args.ray_cpus * node_tp(args, role) for role in roles]
-    started_here = connect(ray, args.ray, max(os.cpu_count() or 1, sum(cpus)))
+    try:
+        started_here = connect(ray, args.ray, max(os.cpu_count() or 1, sum(cpus)))
+    except RuntimeError as exc:
+        print(f"pdserve up --ray: {exc}", file=sys.stderr)
+        return 1
     stop = StopSignal()
     group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
     nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
@@ -126,37 +138,69 @@ def place(ray: Any, cpus: list[float], strategy: str, timeout_s: float) -> Any:
     return group
 
 
-def connect(ray: Any, address: str, num_cpus: int) -> bool:
-    """Join the Ray cluster at `address` (auto: this machine's, else a new one here, of num_cpus);
-    whether it was started here."""
+def connect(ray: Any, requested: str, num_cpus: int) -> bool:
+    """Join the Ray cluster asked for (auto: this machine's verified one, else a new one here, of
+    num_cpus); whether it was started here. An explicit address that is no Ray cluster raises."""
     quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
-    if address == "auto":
-        address = running_cluster()
+    address = cluster_to_join(requested)
     if address is not None:
         ray.init(address=address, **quiet)
         print(f"pdserve up --ray: joined the Ray cluster at {address}", flush=True)
         return False
+    # Without usage stats: Ray's would probe cloud metadata addresses (169.254.169.254) off this machine.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **quiet)
     print("pdserve up --ray: started a Ray cluster on this machine", flush=True)
     return True
 
 
-def running_cluster() -> str | None:
-    """The Ray cluster this machine runs, as Ray finds it ($RAY_ADDRESS, or the head address `ray
-    start` leaves in Ray's temp dir), if its head answers; None otherwise (a stale address too)."""
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        try:
-            with open(os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "ray_current_cluster")) as f:
-                address = f.read().strip()
-        except OSError:
-            return None
-    host, _, port = address.rpartition(":")
+def cluster_to_join(requested: str) -> str | None:
+    """The verified address of the cluster to join, or None to start one here.
+
+    Given (--ray HOST:PORT, $RAY_ADDRESS): it must answer as a Ray GCS, or this raises. Recorded (the
+    head address `ray start` left in Ray's temp dir): joined only if it is an address of this
+    machine that answers as a Ray GCS; otherwise it is stale, said so in one line, and not used."""
+    given, source = (requested, "--ray") if requested != "auto" else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    if given:
+        if ray_cluster_id(given) is None:
+            raise RuntimeError(f"no Ray cluster answers at {given} (from {source}): its GCS did not name a "
+                               f"cluster id within {GCS_ANSWER_S:.0f} s")
+        return given
+    record = ray_address_file()
     try:
-        socket.create_connection((host, int(port)), timeout=HEAD_ANSWER_S).close()
-    except (OSError, ValueError):
+        with open(record) as f:
+            recorded = f.read().strip()
+    except OSError:
         return None
-    return address
+    host = recorded.rpartition(":")[0].strip("[]")
+    if not host or not on_this_host(host):
+        why = "is not an address of this machine"
+    elif ray_cluster_id(recorded) is None:
+        why = f"did not answer as a Ray GCS within {GCS_ANSWER_S:.0f} s"
+    else:
+        return recorded
+    print(f"pdserve up --ray: the Ray head recorded in {record} ({recorded}) {why}: stale, starting a Ray "
+          "cluster here", flush=True)
+    return None
+
+
+def ray_address_file() -> str:
+    """Where `ray start --head` records its head's address (Ray's temp dir: $RAY_TMPDIR, $TMPDIR or /tmp)."""
+    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return os.path.join(tmp, "ray", "ray_current_cluster")
+
+
+def ray_cluster_id(address: str, timeout_s: float = GCS_ANSWER_S) -> str | None:
+    """The cluster id the Ray GCS at `address` names within timeout_s, or None (not Ray, not there)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", CLUSTER_ID_PROBE, address], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    lines = done.stdout.split()
+    if done.returncode != 0 or not lines or not all(c in "0123456789abcdef" for c in lines[-1]):
+        return None
+    return None if set(lines[-1]) <= {"f"} else lines[-1]  # the nil id: no cluster behind it
 
 
 def proxy_host(host: str, nodes: list[NodeAddress], mode: str, here: str) -> str:

@@ -8,10 +8,12 @@ void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, 
                   at::Tensor& out, double eps);
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of residual into out");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("int8_head", &int8_head, "x @ (int8 codes * group scales).T in float32: the output head's logits");
 }
