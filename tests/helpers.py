@@ -76,3 +76,23 @@ def push_in_chunks(sender, request_id: str, target, chunks: list[tuple[list[int]
         for layer in range(num_layers):
             sender.save_kv_layer(layer)
         sender.wait_for_save()
+
+
+# Two greedy paths (PD and colocated, quantized kernels and transformers) may part only where the
+# two tokens are a genuine near-tie of the float32 logits: within this, in logprob.
+PATH_TIE_MARGIN = 0.25
+
+
+def divergence_margin(llm, prompt_ids: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float] | None:
+    """Where two greedy continuations of `prompt_ids` first differ: (the index, how far apart the two
+    tokens' logprobs are in `llm`'s float32 logits there, given the common prefix). None where they
+    do not differ (one may stop earlier). A token outside the 20 most likely counts as infinitely far."""
+    from pdserve.sampling_params import SamplingParams
+
+    index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if index is None:
+        return None
+    [out] = llm.generate([prompt_ids + ours[:index]], SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    top = dict(out.logprobs[0].top)
+    a, b = top.get(ours[index]), top.get(theirs[index])
+    return index, float("inf") if a is None or b is None else abs(a - b)
