@@ -24,10 +24,19 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
                              "Q8_0: int8; float weights: none); the output head is int8 whenever quantized")
 
 
+def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="compute every token independently of what it is batched with and of how its prompt "
+                             "is chunked: P + D equal a colocated node token for token on any dtype and "
+                             "quantization, and an answer does not depend on the load (costs speed: see "
+                             "docs/benchmarks.md)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_dtype_arg(parser)
     add_quantization_arg(parser)
+    add_batch_invariant_arg(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice; with TP, each rank's share of the cores)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -59,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
@@ -385,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None)
     add_dtype_arg(up)
     add_quantization_arg(up)
+    add_batch_invariant_arg(up)
     up.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB")
     up.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS])
     up.add_argument("--max-model-len", type=int, default=None)

@@ -130,6 +130,9 @@ class EngineConfig:
     model: str | None = None  # HF dir or .gguf file; None = the embedded SmolLM2
     dtype: str = "auto"
     quantization: str = "auto"  # auto | none | int8 | int4 (models/quantization.py; auto follows the GGUF)
+    # Every row of a step computed independently of the rows beside it and of how its prompt was
+    # chunked (models/batch_invariant.py): PD equals colocated on any dtype, output independent of load.
+    batch_invariant: bool = False
     device: str = "cpu"
     kernels: str | None = None  # auto | portable; None = $PDSERVE_KERNELS, else auto
     threads: int | None = None  # torch intra-op threads; None keeps torch's default

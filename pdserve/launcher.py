@@ -78,6 +78,8 @@ def node_command(args, model: str | None) -> list[str]:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.no_chunked_prefill:
         command.append("--no-chunked-prefill")
+    if args.batch_invariant:
+        command.append("--batch-invariant")
     return command
 
 

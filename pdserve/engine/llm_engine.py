@@ -108,10 +108,15 @@ class LLMEngine:
                 self.tp_workers = TPWorkers(RankSpec(
                     str(self.model_dir), dtype, config.device, self.max_model_len, self.plan.prepack,
                     self.quantization, self.plan.compiled, num_blocks, config.block_size, self.threads,
+                    config.batch_invariant,
                     tuple(pool.shm_name for pool in self.pools) if ranks_share_pools else ()), self.tp.size)
             model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack,
                                quantization=self.quantization, tp=self.tp)
+            if config.batch_invariant:
+                model.set_batch_invariant()  # ValueError for a model without a batch-invariant path
         except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
             for pool in self.pools:
                 pool.close()
             raise
@@ -140,7 +145,7 @@ class LLMEngine:
         self.attention = "native" if kernel is not None else "sdpa" if paged else model.decode_attention
         if ops is not None:
             model.use_native_kernels(ops)
-        self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers)
+        self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers, config.batch_invariant)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(
@@ -245,7 +250,8 @@ class LLMEngine:
     def labels(self) -> dict[str, str]:
         """How this engine computes: the kernel plan, the weights' quantization, the decode attention."""
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
-                "tensor_parallel_size": str(self.tp.size)}
+                "tensor_parallel_size": str(self.tp.size),
+                "batch_invariant": str(self.config.batch_invariant).lower()}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""

@@ -10,14 +10,16 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.tp_workers import TPWorkers
 from pdserve.kv.pool import KVPool
-from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk
+from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk, RowsAlone
+from pdserve.models.batch_invariant import INVARIANT_PARTITION_BLOCKS
 from pdserve.models.llama import LayerHook
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, decode_kernel: DecodeKernel | None = None,
-                 tp_workers: TPWorkers | None = None):
+                 tp_workers: TPWorkers | None = None, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # every row attends alone (models/batch_invariant.py)
         self.tp_workers = tp_workers  # TP: the other ranks run each step's forward pass with this one
         self.decode_kernel = decode_kernel  # None: SDPA over gathered blocks
         self.pool = pool
@@ -103,12 +105,26 @@ class ModelRunner:
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens),
                                  decode_kernel=self.decode_kernel)
-        if self.decode_kernel is not None and decode_lens:  # one group: the kernel pads nothing
+        if self.batch_invariant:
+            meta.prefills = []
+            meta.rows_alone = self._rows_alone(batch)
+        elif self.decode_kernel is not None and decode_lens:  # one group: the kernel pads nothing
             meta.decode_groups.append(self._kernel_group(decode_tables, decode_lens))
         else:
             for start, end in decode_groups(decode_lens):
                 meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
+
+    def _rows_alone(self, batch: list[ScheduledRequest]) -> RowsAlone:
+        tables, lens, sequences = [], [], []
+        for s in batch:
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            sequences.append((len(lens), len(lens) + n))
+            tables += [s.request.block_ids] * n
+            lens += range(start + 1, start + n + 1)
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        return RowsAlone(padded, torch.tensor(lens, device=self.device), INVARIANT_PARTITION_BLOCKS, sequences)
 
     def _kernel_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         width = max(len(t) for t in tables)

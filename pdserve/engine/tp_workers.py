@@ -42,6 +42,7 @@ class RankSpec:
     num_blocks: int
     block_size: int
     threads: int | None
+    batch_invariant: bool  # models/batch_invariant.py
     pool_shm_names: tuple[str, ...] = ()  # a node with a KV role: rank 0 made every rank's pool, by rank
 
 
@@ -122,6 +123,8 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     ops = native_ops() if spec.compiled else None
     if ops is not None:
         model.use_native_kernels(ops)
+    if spec.batch_invariant:
+        model.set_batch_invariant()
     kernel = model.decode_kernel(ops)
     kv_caches = list(pool.tensor.unbind(0))
     with torch.inference_mode():

@@ -6,7 +6,7 @@ values are scattered into their slots with one `index_copy_`. Decodes are attend
 kernel, which reads the blocks where they lie (models/csrc, `decode_kernel`), or, on the portable
 path, in batched SDPAs over block-table gathers, one per group of similar context lengths (so that a
 few long contexts do not pad every short one to their length). Prefill chunks (few, long) get one
-SDPA each.
+SDPA each. In batch-invariant mode every row attends alone (RowsAlone).
 """
 
 from __future__ import annotations
@@ -40,6 +40,19 @@ class DecodeGroup:
     partition_blocks: int = 0  # the C++ kernel: context blocks per work unit
 
 
+@dataclass
+class RowsAlone:
+    """Batch-invariant mode (models/batch_invariant.py): every row of the batch, prefill or decode,
+    attends alone to its own context, the first `context_lens[i]` tokens of its sequence's blocks, as
+    a decode does; so its result depends on its own position only, not on its neighbours or on how
+    its prompt was chunked."""
+
+    block_tables: torch.Tensor  # [T, max_blocks] int64: each row's sequence's table, zero-padded
+    context_lens: torch.Tensor  # [T] int64: the row's position + 1
+    partition_blocks: int  # the C++ kernel: fixed, not sized by the batch
+    sequences: list[tuple[int, int]]  # [start, end) rows of one sequence (the portable path gathers it once)
+
+
 # (query, kv_cache, block_tables, context_lens, out, scale, partition_blocks) -> None, writing out.
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], None]
 
@@ -53,6 +66,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decode_kernel: DecodeKernel | None = None  # None: SDPA over gathered blocks
     prefills: list[PrefillChunk] = field(default_factory=list)
+    rows_alone: RowsAlone | None = None  # batch-invariant mode: every row, instead of the groups and chunks
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -77,6 +91,9 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
+    if meta.rows_alone is not None:
+        _attend_rows_alone(q, kv_cache, meta.rows_alone, meta.decode_kernel, scale, out)
+        return out
     for group in meta.decode_groups:
         if meta.decode_kernel is not None:
             meta.decode_kernel(q[group.start : group.end], kv_cache, group.block_tables, group.context_lens,
@@ -106,3 +123,20 @@ def paged_attention(
             )
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
+
+
+def _attend_rows_alone(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowsAlone, kernel: DecodeKernel | None,
+                       scale: float, out: torch.Tensor) -> None:
+    """Each query row over its own context: one C++ kernel call (its work units are per row), or on
+    the portable path one SDPA per row whose shape is fixed by that row's context length alone."""
+    if kernel is not None:
+        kernel(q, kv_cache, rows.block_tables, rows.context_lens, out, scale, rows.partition_blocks)
+        return
+    lens, block_size = rows.context_lens.tolist(), kv_cache.shape[2]
+    for start, end in rows.sequences:
+        table = rows.block_tables[start, : -(-lens[end - 1] // block_size)]
+        keys, values = _gather(kv_cache, table).transpose(1, 2).unsqueeze(1)  # [2, 1, KVH, L, D]
+        for i in range(start, end):
+            o = F.scaled_dot_product_attention(q[i, None, :, None], keys[..., : lens[i], :], values[..., : lens[i], :],
+                                               scale=scale, enable_gqa=True)  # [1, H, 1, D]
+            out[i] = o[0, :, 0]

@@ -20,6 +20,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, DecodeKernel, paged_attention
+from pdserve.models.batch_invariant import in_fixed_blocks
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.parallel import SINGLE, TensorParallel
 from pdserve.models.quantization import (
@@ -58,6 +59,8 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    batch_invariant = False  # models/batch_invariant.py
+    kernel_rows_alone = False  # the quantized kernel computes each row alone by construction
 
     def quantize(self, method: str) -> None:
         """Decode on `method` codes; the dense weight stays the file's (prefill computes the file's
@@ -71,13 +74,23 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:  # x: [rows, in_features]
         """`decode_rows`: x's first rows are decodes. They run on the quantized kernel (when there are
         few: memory-bound), prefill rows on the dense weights. So the path a token takes does not
-        depend on what else is in the batch: a decode node and a colocated one compute it alike."""
-        if self.quantized is None or not 0 < decode_rows <= MAX_QUANTIZED_ROWS:
-            return self._dense(x)
-        out = self.quantized(x[:decode_rows].to(torch.bfloat16)).to(x.dtype)
+        depend on what else is in the batch: a decode node and a colocated one compute it alike.
+        Batch-invariant: decode rows take the kernel at any count, and GEMMs run in fixed blocks."""
+        dense = self._dense_in_blocks if self.batch_invariant else self._dense
+        if self.quantized is None or not 0 < decode_rows or (decode_rows > MAX_QUANTIZED_ROWS and not self.batch_invariant):
+            return dense(x)
+        rows = x[:decode_rows]
+        decoded = (in_fixed_blocks(self._quantized, rows) if self.batch_invariant and not self.kernel_rows_alone
+                   else self._quantized(rows))
         if self.bias is not None:
-            out = out + self.bias
-        return out if decode_rows == x.shape[0] else torch.cat((out, self._dense(x[decode_rows:])))
+            decoded = decoded + self.bias
+        return decoded if decode_rows == x.shape[0] else torch.cat((decoded, dense(x[decode_rows:])))
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized(x.to(torch.bfloat16)).to(x.dtype)
+
+    def _dense_in_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return in_fixed_blocks(self._dense, x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -99,18 +112,19 @@ class OutputHead(Linear):
 
     native: ModuleType | None = None  # pdserve's C++ kernels, where built
     quantized: Int8GroupWeight | None = None
+    kernel_rows_alone = True  # int8_head: a row's logits do not depend on the rows beside it
 
     def quantize(self, method: str) -> None:
         self.quantized = quantize_int8_groups(self.weight.detach())
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        x = x.float()
-        if self.quantized is None or self.native is None or not 0 < decode_rows <= MAX_QUANTIZED_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        out = self.native.int8_head(x[:decode_rows].contiguous(), self.quantized.codes, self.quantized.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out if decode_rows == x.shape[0] else torch.cat((out, F.linear(x[decode_rows:], self.weight, self.bias)))
+        return super().forward(x.float(), decode_rows if self.native is not None else 0)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.int8_head(x.contiguous(), self.quantized.codes, self.quantized.scales)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -378,6 +392,16 @@ class LlamaForCausalLM(nn.Module):
         """pdserve's C++ paged decode attention, where it is built and this model decodes through the
         K/V paged attention."""
         return ops.paged_decode_attention if ops is not None and self.decode_attention == "paged" else None
+
+    def set_batch_invariant(self) -> None:
+        """Every projection computes each row independently of the batch (models/batch_invariant.py);
+        the engine's attention does its part (ModelRunner)."""
+        if self.decode_attention != "paged":
+            raise ValueError(f"--batch-invariant: {type(self).__name__} has its own attention "
+                             f"({self.decode_attention}), which has no batch-invariant path yet")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = True
 
     def use_native_kernels(self, ops: ModuleType) -> None:
         """Run the elementwise chains on pdserve's C++ kernels (models/native.py)."""
