@@ -56,17 +56,18 @@ def run_up_ray(args) -> int:
 
     from pdserve.models.locate import resolve_model_dir
 
+    try:  # first, before any slower work: an address that is no Ray cluster fails within GCS_ANSWER_S
+        address = cluster_to_join(args.ray)
+    except RuntimeError as exc:
+        print(f"pdserve up --ray: {exc}", file=sys.stderr)
+        return 1
     model_dir = str(resolve_model_dir(args.model))  # the proxy's tokenizer (auto); converted once on this host
     roles = node_roles(args)
     # A cluster started here counts one logical CPU per node at least (as `pdserve up` runs more
     # nodes than cores when it must).
     # A TP node reserves --ray-cpus per rank, all in one bundle: its ranks run on the actor's host.
     cpus = [args.ray_cpus * node_tp(args, role) for role in roles]
-    try:
-        started_here = connect(ray, args.ray, max(os.cpu_count() or 1, sum(cpus)))
-    except RuntimeError as exc:
-        print(f"pdserve up --ray: {exc}", file=sys.stderr)
-        return 1
+    started_here = connect(ray, address, max(os.cpu_count() or 1, sum(cpus)))
     stop = StopSignal()
     group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
     nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
@@ -138,11 +139,10 @@ def place(ray: Any, cpus: list[float], strategy: str, timeout_s: float) -> Any:
     return group
 
 
-def connect(ray: Any, requested: str, num_cpus: int) -> bool:
-    """Join the Ray cluster asked for (auto: this machine's verified one, else a new one here, of
-    num_cpus); whether it was started here. An explicit address that is no Ray cluster raises."""
+def connect(ray: Any, address: str | None, num_cpus: int) -> bool:
+    """Join the verified Ray cluster at `address` (cluster_to_join), or start one of num_cpus here
+    (None); whether it was started here."""
     quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
-    address = cluster_to_join(requested)
     if address is not None:
         ray.init(address=address, **quiet)
         print(f"pdserve up --ray: joined the Ray cluster at {address}", flush=True)
