@@ -14,7 +14,9 @@ Two tasks whose data pdserve ships (benchmarks/lm_eval/, nothing is downloaded):
               model sends each context + choice as token ids with echo, logprobs and max_tokens 1,
               and reads the prompt's logprobs (through PD they come from the prefill node);
   pdserve_qa  16 questions answered by greedy generation: `local-chat-completions`, chat template.
-pdserve runs float32 and unquantized, as lm-eval's `hf` model loads the converted model dir.
+pdserve runs float32 with its default decode quantization (int4 for the embedded Q4_1 GGUF; the
+scoring path is dense, the file's own weights), as lm-eval's `hf` model loads the converted model
+dir; the loglikelihoods must agree within 1e-3.
 
 Writes docs/results/lm_eval.json and a section of docs/benchmarks.md.
 """
@@ -31,7 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from pdserve.benchmarks.report import publish
+from pdserve.platform import CpuInfo
 from pdserve.models.locate import resolve_model_dir
 from pdserve.procs import ProcessGroup, up_child
 
@@ -70,21 +75,32 @@ def compare(task: str, metric: str, ours: tuple[dict, list[dict]], theirs: tuple
     name = metric.split(",")[0]
     differing = [d for d in a if a[d].get(name) != b.get(d, {}).get(name)]
     outputs_equal = all(a[d]["filtered_resps"] == b[d]["filtered_resps"] for d in a) if task == "pdserve_qa" else None
+    gap = max((abs(x - y) for d in a for x, y in zip(loglikelihoods(a[d]), loglikelihoods(b[d]))), default=None)
     return {"pdserve": r_ours["results"][task][metric], "hf": r_hf["results"][task][metric],
             "samples": len(a), "samples_scored_differently": len(differing), "generations_equal": outputs_equal,
-            "pdserve_seconds": r_ours["seconds"], "hf_seconds": r_hf["seconds"]}
+            "max_loglikelihood_difference": gap, "pdserve_seconds": r_ours["seconds"], "hf_seconds": r_hf["seconds"]}
+
+
+def loglikelihoods(sample: dict) -> list[float]:
+    """A loglikelihood sample's score of each choice (lm-eval logs [loglikelihood, is_greedy] per choice)."""
+    if sample.get("filtered_resps") and isinstance(sample["filtered_resps"][0], (list, tuple)):
+        return [float(resp[0]) for resp in sample["filtered_resps"]]
+    return []
 
 
 def markdown(res: dict, args) -> str:
     lines = [f"Command: `python -m pdserve.benchmarks.evalharness --mode {args.mode}` ({res['date']}; lm-eval "
-             f"{res['lm_eval_version']}; pdserve up --mode {args.mode}, float32, unquantized; lm-eval's hf model on "
-             "the same converted weights, float32; tasks and data in benchmarks/lm_eval/).", "",
-             "| task | lm-eval model on pdserve | metric | pdserve | hf | samples | scored differently | seconds "
-             "(pdserve / hf) |", "|---|---|---|---|---|---|---|---|"]
+             f"{res['lm_eval_version']}; pdserve up --mode {args.mode} --dtype float32 --quantization "
+             f"{args.quantization} ({res['engine'].get('quantization')}); lm-eval's hf model on the GGUF's converted "
+             "weights, float32; tasks and data in benchmarks/lm_eval/; CPU: "
+             f"{res['cpu']}).", "",
+             "| task | lm-eval model on pdserve | metric | pdserve | hf | samples | scored differently | "
+             "largest loglikelihood difference | seconds (pdserve / hf) |", "|---|---|---|---|---|---|---|---|---|"]
     for task, c in res["tasks"].items():
         model, _, metric, _ = TASKS[task]
+        gap = "" if c["max_loglikelihood_difference"] is None else f"{c['max_loglikelihood_difference']:.2e}"
         lines.append(f"| {task} | {model} | {metric} | {c['pdserve']:.4f} | {c['hf']:.4f} | {c['samples']} | "
-                     f"{c['samples_scored_differently']} | {c['pdserve_seconds']:.0f} / {c['hf_seconds']:.0f} |")
+                     f"{c['samples_scored_differently']} | {gap} | {c['pdserve_seconds']:.0f} / {c['hf_seconds']:.0f} |")
     qa = res["tasks"].get("pdserve_qa")
     if qa is not None:
         lines += ["", f"Generated answers identical to hf's, sample by sample: {'yes' if qa['generations_equal'] else 'no'}."]
@@ -97,6 +113,8 @@ def main() -> None:
                         help="the lm_eval command of lm-eval's own virtual environment")
     parser.add_argument("--mode", default="pull", choices=["pull", "push", "colocated"],
                         help="how `pdserve up` serves (colocated: --colocated 1)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="pdserve's decode quantization (auto: int4 for the embedded GGUF; scoring is dense)")
     parser.add_argument("--out", default="docs/results/lm_eval.json")
     args = parser.parse_args()
     binary = str(Path(args.lm_eval).resolve()) if Path(args.lm_eval).exists() else args.lm_eval
@@ -106,10 +124,12 @@ def main() -> None:
     version = subprocess.run([str(Path(binary).with_name("python")), "-c", "import lm_eval; print(lm_eval.__version__)"],
                              capture_output=True, text=True).stdout.strip() or "?"
     up_args = ["--colocated", "1"] if args.mode == "colocated" else ["--mode", args.mode]
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "lm_eval_version": version, "mode": args.mode, "tasks": {}}
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "lm_eval_version": version, "mode": args.mode,
+                 "cpu": CpuInfo.detect().model, "tasks": {}}
     with tempfile.TemporaryDirectory() as tmp, ProcessGroup(stop_grace_s=30) as group:
-        up = group.start(up_child((*up_args, "--dtype", "float32", "--quantization", "none")))
+        up = group.start(up_child((*up_args, "--dtype", "float32", "--quantization", args.quantization)))
         group.wait_ready([up], 300)
+        res["engine"] = httpx.get(up.url + "/v1/nodes", timeout=10).json()["nodes"][0]["engine"]
         for task, (model, endpoint, metric, chat) in TASKS.items():
             served = f"model={SERVED_NAME},base_url={up.url}{endpoint},num_concurrent=1,max_retries=1"
             if model == "local-completions":

@@ -16,28 +16,17 @@ Writes docs/results/logits_cost.json and a section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.timing import best_ms, decode_step_ms
 from pdserve.models.llama import padded_rows
 from pdserve.models.quantization import MAX_QUANTIZED_ROWS, quantize_int8
 from pdserve.platform import CpuInfo
-from pdserve.workload import random_prompts
 
 BATCHES = (1, 32)
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def bf16_head(weight: torch.Tensor, prepacked: bool):
@@ -58,16 +47,6 @@ def bf16_head(weight: torch.Tensor, prepacked: bool):
     return run
 
 
-def step_ms(llm: LLM, batch: int, repeats: int) -> float:
-    """A decode step of `batch` sequences: (time for 64 tokens - time for 1 token) / 63."""
-    prompts = random_prompts(batch, 32, seed=batch)
-    times = {}
-    for n in (1, 64):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        times[n] = best_ms(lambda: llm.generate(prompts, params), max(2, repeats // 10))
-    return (times[64] - times[1]) / 63
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
@@ -85,7 +64,7 @@ def main() -> None:
         with torch.inference_mode():
             f32 = best_ms(lambda: head(x, batch), args.repeats)
             bf16 = best_ms(lambda: old(x), args.repeats)
-        step = step_ms(llm, batch, args.repeats)
+        step = decode_step_ms(llm, batch, max(2, args.repeats // 10))
         results["batches"][batch] = {"head_float32_ms": f32, "head_bf16_ms": bf16, "decode_step_ms": step,
                                      "extra_share_of_step": (f32 - bf16) / step}
         rows.append(f"| {batch} | {bf16:.2f} | {f32:.2f} | {f32 - bf16:+.2f} | {step:.1f} | "
