@@ -42,7 +42,7 @@ test: install-test
 test-portable: install-test
 	$(PORTABLE_AVX2) $(PY) -m pytest -q tests/test_model_vs_transformers.py tests/test_platform.py tests/test_file_model.py \
 		tests/test_pd_push.py::test_push_equals_pull_equals_colocated tests/test_quantization.py \
-		tests/test_mla.py::test_greedy_tokens_equal_transformers_and_logprobs_are_close
+		tests/test_mla.py::test_greedy_tokens_equal_transformers_and_logprobs_are_close tests/test_batch_invariant.py
 
 # The whole suite on that path (about as long as `make test`).
 test-avx2: install-test

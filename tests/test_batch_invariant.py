@@ -1,7 +1,8 @@
 """--batch-invariant (models/batch_invariant.py): a token's numbers do not depend on what it is batched
 with, nor on how its prompt was chunked, on every dtype x quantization x kernels the defaults can pick.
 
-- Every GEMM the engine can run computes a row of a fixed block alike at any position, beside any rows.
+- Every dense GEMM the engine can run computes a row of a fixed block alike at any position, beside
+  any rows; every quantized kernel computes each row alone at any row count.
 - Attention, rows alone: a row's output is the same in any batch, and it is attention.
 - LLM: a prompt alone, among others, chunked, and after a prefix-cache hit gives the same tokens and
   logprobs, bit for bit.
@@ -28,18 +29,25 @@ from pdserve.platform import CpuInfo
 N, K = 1728, 576  # SmolLM2's fused QKV projection
 
 
-def gemms(ops) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Every GEMM a Linear or the output head can run, on a random [N, K] weight."""
-    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
-    int4, _ = quantize_int4(weight)
-    int8, _ = quantize_int8(weight)
-    head = quantize_int8_groups(weight)
-    bf16 = weight.bfloat16()
-    found = {"float32": lambda x: F.linear(x, weight), "bfloat16": lambda x: F.linear(x.bfloat16(), bf16),
-             "int4": lambda x: int4(x.bfloat16()), "int8": lambda x: int8(x.bfloat16())}
+WEIGHT = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+
+
+def dense_gemms() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every dense GEMM a Linear or the output head can run (prefill, and decode unquantized)."""
+    bf16 = WEIGHT.bfloat16()
+    found = {"float32": lambda x: F.linear(x, WEIGHT), "bfloat16": lambda x: F.linear(x.bfloat16(), bf16)}
     if CpuInfo.detect().onednn_bf16:
         packed = torch.ops.mkldnn._reorder_linear_weight(bf16)
         found["onednn bf16"] = lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
+    return found
+
+
+def quantized_gemms(ops) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every quantized kernel decode rows can run."""
+    int4, _ = quantize_int4(WEIGHT)
+    int8, _ = quantize_int8(WEIGHT)
+    head = quantize_int8_groups(WEIGHT)
+    found = {"int4": lambda x: int4(x.bfloat16()), "int8": lambda x: int8(x.bfloat16())}
     if ops is not None:
         found["int8 head"] = lambda x: ops.int8_head(x.float().contiguous(), head.codes, head.scales)
     return found
@@ -54,10 +62,18 @@ def native(request):
         return None
 
 
-def test_every_gemm_computes_a_row_alike_wherever_it_sits_in_a_fixed_block(native):
+def test_every_quantized_kernel_computes_each_row_alone_at_any_row_count(native):
+    x = torch.randn(70, K, generator=torch.Generator().manual_seed(3))
+    for name, kernel in quantized_gemms(native).items():
+        alone = torch.cat([kernel(x[i : i + 1]) for i in range(len(x))])
+        for rows in (2, 3, 5, 8, 16, 17, 33, 70):
+            assert torch.equal(kernel(x[:rows]), alone[:rows]), (name, rows)
+
+
+def test_every_dense_gemm_computes_a_row_alike_wherever_it_sits_in_a_fixed_block():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, K, generator=gen)
-    for name, gemm in gemms(native).items():
+    for name, gemm in dense_gemms().items():
         batched = in_fixed_blocks(gemm, x)
         alone = torch.cat([in_fixed_blocks(gemm, x[i : i + 1]) for i in range(len(x))])
         assert torch.equal(batched, alone), name

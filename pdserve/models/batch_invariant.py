@@ -7,10 +7,13 @@ node, which computes it inside the prompt's GEMM, round differently, and so does
 decoded alone or among 30. Nothing here is wrong, but a greedy near-tie can flip.
 
 In this mode every row takes a path fixed by its own kind and position, never by the batch:
-- GEMMs run in blocks of exactly INVARIANT_ROWS rows (the last zero-padded): one kernel of one
-  shape for every row, whose row results do not depend on the other rows of the block (checked for
-  every kernel the engine can pick: tests/test_batch_invariant.py);
-- decode rows stay on the quantized kernel at any batch size (not the dense one above 16);
+- dense GEMMs run in blocks of exactly INVARIANT_ROWS rows (the last zero-padded): one kernel of
+  one shape for every row, whose row results do not depend on the other rows of the block;
+- decode rows stay on the quantized kernel at any batch size (not the dense one above 16): torch's
+  int4 / int8 kernels and pdserve's int8 head compute each row alone, at any row count (padding
+  them to 16 rows made a decode step 2.9x slower);
+- both properties are checked for every kernel the engine can pick, on the machine that runs the
+  tests (tests/test_batch_invariant.py), AVX2 dispatch included;
 - attention: every query row attends alone to its own context (its position + 1 tokens), prefill
   rows as decode rows do: pdserve's C++ paged kernel with a fixed partition size, or one SDPA per
   row on the portable path (models/attention.py, RowsAlone);
@@ -27,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-INVARIANT_ROWS = 16  # rows per GEMM call: the quantized kernels' batch, and past MKL's small-M paths
+INVARIANT_ROWS = 16  # rows per dense GEMM call: past MKL's small-M paths (1-3 rows round otherwise here)
 # C++ paged attention: context blocks per work unit, fixed (the normal mode sizes it by the batch).
 INVARIANT_PARTITION_BLOCKS = 8
 

@@ -60,7 +60,6 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     batch_invariant = False  # models/batch_invariant.py
-    kernel_rows_alone = False  # the quantized kernel computes each row alone by construction
 
     def quantize(self, method: str) -> None:
         """Decode on `method` codes; the dense weight stays the file's (prefill computes the file's
@@ -79,9 +78,9 @@ class Linear(nn.Linear):
         dense = self._dense_in_blocks if self.batch_invariant else self._dense
         if self.quantized is None or not 0 < decode_rows or (decode_rows > MAX_QUANTIZED_ROWS and not self.batch_invariant):
             return dense(x)
-        rows = x[:decode_rows]
-        decoded = (in_fixed_blocks(self._quantized, rows) if self.batch_invariant and not self.kernel_rows_alone
-                   else self._quantized(rows))
+        # The quantized kernels compute each row alone (tests/test_batch_invariant.py checks it on
+        # every machine), so batch-invariant decode rows need no fixed blocks: padding them cost 3x.
+        decoded = self._quantized(x[:decode_rows])
         if self.bias is not None:
             decoded = decoded + self.bias
         return decoded if decode_rows == x.shape[0] else torch.cat((decoded, dense(x[decode_rows:])))
@@ -112,7 +111,6 @@ class OutputHead(Linear):
 
     native: ModuleType | None = None  # pdserve's C++ kernels, where built
     quantized: Int8GroupWeight | None = None
-    kernel_rows_alone = True  # int8_head: a row's logits do not depend on the rows beside it
 
     def quantize(self, method: str) -> None:
         self.quantized = quantize_int8_groups(self.weight.detach())
