@@ -37,8 +37,9 @@ test: install-test
 	$(PY) -m pytest -q
 
 # CI's second pass: the engine-vs-transformers correctness tests (quantized ones included), PD
-# equivalence tests (push = pull = colocated; int4) and the file's model on every dtype x quantization
-# (bf16 + int4 forced: the README's answer, float32 logits) on the portable path as an AVX2-only CPU runs it.
+# equivalence tests (push = pull = colocated; int4), the file's model on every dtype x quantization
+# (bf16 + int4 forced: the README's answer, float32 logits) and batch-invariant mode (its kernels'
+# row independence; PD = colocated on bf16 + int4) on the portable path as an AVX2-only CPU runs it.
 test-portable: install-test
 	$(PORTABLE_AVX2) $(PY) -m pytest -q tests/test_model_vs_transformers.py tests/test_platform.py tests/test_file_model.py \
 		tests/test_pd_push.py::test_push_equals_pull_equals_colocated tests/test_quantization.py \

@@ -100,7 +100,8 @@ def markdown(res: dict, args) -> str:
         model, _, metric, _ = TASKS[task]
         gap = "" if c["max_loglikelihood_difference"] is None else f"{c['max_loglikelihood_difference']:.2e}"
         lines.append(f"| {task} | {model} | {metric} | {c['pdserve']:.4f} | {c['hf']:.4f} | {c['samples']} | "
-                     f"{c['samples_scored_differently']} | {gap} | {c['pdserve_seconds']:.0f} / {c['hf_seconds']:.0f} |")
+                     f"{c['samples_scored_differently']} | {gap} | "
+                     f"{c['pdserve_seconds']:.0f} / {c['hf_seconds']:.0f} |")
     qa = res["tasks"].get("pdserve_qa")
     if qa is not None:
         lines += ["", f"Generated answers identical to hf's, sample by sample: {'yes' if qa['generations_equal'] else 'no'}."]
@@ -138,7 +139,7 @@ def main() -> None:
             theirs = lm_eval(binary, "hf", f"pretrained={model_dir},dtype=float32", task, chat, Path(tmp) / f"{task}-hf")
             res["tasks"][task] = compare(task, metric, ours, theirs)
             print(task, res["tasks"][task], flush=True)
-    publish(res, args.out, "lm_eval", "lm-evaluation-harness on pdserve vs its hf backend (issue 20)", markdown(res, args))
+    publish(res, args.out, "lm_eval", "lm-evaluation-harness on pdserve vs its hf backend (issues 20, 32)", markdown(res, args))
 
 
 if __name__ == "__main__":
