@@ -1,16 +1,20 @@
-"""The recipes of docs/architecture.md hold: a proxy flow, a routing policy and a placement rule,
-added by a plugin module (tests/plugins/throwaway_recipes.py, named in PDSERVE_PLUGINS) without
-touching a pdserve file, become CLI choices and run end to end: the flow and policy through a real
-proxy over real nodes, the placement rule through `pdserve simulate` (the proxy's own Placer)."""
+"""The recipes of docs/architecture.md hold: a proxy flow, a routing policy, a placement rule and a
+model family, added by a plugin module (tests/plugins/throwaway_recipes.py, named in
+PDSERVE_PLUGINS) without touching a pdserve file, become choices and run end to end: the flow and
+policy through a real proxy over real nodes, the placement rule through `pdserve simulate` (the
+proxy's own Placer), the model family through LLM."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import httpx
+import pytest
+from safetensors.torch import load_file, save_file
 from servers import MODEL, NODE, Procs
 from test_plan_simulator import known_profile
 
@@ -62,3 +66,33 @@ def test_a_plugin_placement_rule_places_every_request_in_the_simulator(tmp_path)
         assert done.returncode == 0, done.stderr
         data = json.loads(out.read_text())
         assert data["placement"] == rule and data["placement_counts"] == {"local": local, "remote": 20 - local}
+
+
+def test_a_plugin_model_family_loads_and_generates(tmp_path, random_llama):
+    """The plugin's family (a Llama relative whose embeddings are scaled by sqrt(hidden)) under its
+    own model_type equals the random Llama whose embedding weights carry that scale."""
+    sys.path.insert(0, PLUGINS_DIR)
+    import throwaway_recipes  # noqa: F401  (registers its classes in this process)
+
+    from pdserve import LLM, SamplingParams
+
+    family, scaled = tmp_path / "family", tmp_path / "scaled"
+    shutil.copytree(random_llama, family)
+    shutil.copytree(random_llama, scaled)
+    config = json.loads((family / "config.json").read_text())
+    (family / "config.json").write_text(json.dumps({**config, "model_type": "throwaway_scaled_llama"}))
+    [weights_file] = scaled.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * config["hidden_size"] ** 0.5
+    save_file(weights, weights_file)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [[1, 5, 9, 200, 31], [7, 7, 3000]]
+    outputs = {}
+    for name, path in (("family", family), ("scaled", scaled)):
+        llm = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory_gib=0.02)
+        outputs[name] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
+        llm.engine.close()
+    assert outputs["family"] == outputs["scaled"]
+    (family / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
+    with pytest.raises(ValueError, match="model_type must be one of llama, .*throwaway_scaled_llama, got 'no_such_family'"):
+        LLM(str(family), kv_cache_memory_gib=0.02)

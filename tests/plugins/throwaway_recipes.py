@@ -1,10 +1,13 @@
-"""A plugin module (PDSERVE_PLUGINS=throwaway_recipes) that adds a proxy flow, a routing policy and a
-placement rule to pdserve without touching a pdserve file: the recipes of docs/architecture.md."""
+"""A plugin module (PDSERVE_PLUGINS=throwaway_recipes) that adds a proxy flow, a routing policy, a
+placement rule and a model family to pdserve without touching a pdserve file: the recipes of
+docs/architecture.md."""
 
 from __future__ import annotations
 
 from fastapi.responses import Response
 
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.registry import MODELS
 from pdserve.proxy.flows import FLOWS, ClientRequest, Flow
 from pdserve.proxy.placement import PLACEMENT_RULES, Placement, PlacementRule, PromptView
 from pdserve.proxy.policies import POLICIES, Node
@@ -43,6 +46,19 @@ class AlwaysLocal(PlacementRule):
         return view.local(min(decoders, key=lambda d: d.active_requests))
 
 
+
+
+class ScaledEmbeddingLlama(LlamaForCausalLM):
+    """A Llama relative with Gemma's rule: embeddings scaled by sqrt(hidden_size)."""
+
+    def embed(self, input_ids):
+        return super().embed(input_ids) * self.config.hidden_size**0.5
+
+
+MODELS.register("throwaway_scaled_llama", ScaledEmbeddingLlama)
+
+
 FLOWS.register("stamped", StampedFlow)
 POLICIES.register("last_node", LastNode)
 PLACEMENT_RULES.register("always_local", AlwaysLocal)
+MODELS.register("throwaway_scaled_llama", ScaledEmbeddingLlama)
