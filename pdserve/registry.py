@@ -31,6 +31,9 @@ class Registry(Generic[T]):
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
+    def __iter__(self):
+        return iter(list(self._entries))
+
     def get(self, name: str) -> type[T]:
         """The class of `name`; ValueError naming the choices."""
         target = self._entries.get(name)
