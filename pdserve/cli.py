@@ -9,7 +9,9 @@ import time
 
 from pdserve.kv.transport import AUTO, TRANSPORTS
 from pdserve.proxy.flows import FLOWS
-from pdserve.proxy.placement import Placer
+from pdserve.proxy.placement import PLACEMENT_RULES
+from pdserve.proxy.policies import POLICIES
+from pdserve.registry import load_plugins
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
@@ -290,11 +292,11 @@ RAY_PLACEMENTS = ("spread", "pack")
 
 def add_placement_args(parser: argparse.ArgumentParser, ray: bool = False) -> None:
     if ray:  # `pdserve up`: the rule, and with --ray where the node actors go; either or both
-        parser.add_argument("--placement", action="append", choices=[*Placer.RULES, *RAY_PLACEMENTS],
+        parser.add_argument("--placement", action="append", choices=[*PLACEMENT_RULES.names(), *RAY_PLACEMENTS],
                             help=PLACEMENT_HELP + "; with --ray also spread (node actors across Ray nodes, the "
                                  "default) or pack (onto as few as fit)")
     else:
-        parser.add_argument("--placement", default="cost", choices=Placer.RULES, help=PLACEMENT_HELP)
+        parser.add_argument("--placement", default="cost", choices=PLACEMENT_RULES.names(), help=PLACEMENT_HELP)
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
                         help="auto, threshold / scorers: uncached prompt tokens past which a P node prefills")
     parser.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS",
@@ -347,11 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser("proxy", help="run the PD proxy in front of prefill and decode nodes")
-    proxy.add_argument("--prefill", nargs="+", metavar="URL", help="prefill node URLs (pull / push)")
-    proxy.add_argument("--decode", nargs="+", metavar="URL", help="decode node URLs (pull / push)")
-    proxy.add_argument("--node", nargs="+", metavar="URL", help="colocated (--role both) node URLs (colocated, auto)")
-    proxy.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
-    proxy.add_argument("--mode", default="pull", choices=list(FLOWS),
+    proxy.add_argument("--prefill", nargs="+", action="extend", metavar="URL", help="prefill node URLs (pull / push)")
+    proxy.add_argument("--decode", nargs="+", action="extend", metavar="URL", help="decode node URLs (pull / push)")
+    proxy.add_argument("--node", nargs="+", action="extend", metavar="URL", help="colocated (--role both) node URLs (colocated, auto)")
+    proxy.add_argument("--policy", default="round_robin", choices=POLICIES.names())
+    proxy.add_argument("--mode", default="pull", choices=FLOWS.names(),
                        help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
                             "colocated: load-balance --role both nodes; auto: per request, where to prefill and "
                             "decode, priced from --profile")
@@ -378,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="tensor parallel size of each prefill node")
     up.add_argument("--decode-tp", type=int, default=1, metavar="N", help="tensor parallel size of each decode node")
-    up.add_argument("--mode", default="pull", choices=["pull", "push", "auto"],
+    # The flows that route to P and D nodes (colocated nodes alone: --colocated N).
+    up.add_argument("--mode", default="pull", choices=[n for n, flow in FLOWS.classes().items() if "prefill" in flow.roles],
                     help="auto: per request, prefill on a P node or on the node that decodes (needs --profile)")
     up.add_argument("--nodes", type=int, default=None, metavar="N",
                     help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")
@@ -389,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of P/D: N colocated (--role both) nodes behind the proxy")
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
     up.add_argument("--no-chunked-prefill", action="store_true")
-    up.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    up.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--model", default=None)
@@ -429,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--no-prefix-caching", action="store_true",
                           help="every prompt computed in full (default: cached prefixes reused when the workload "
                                "has conversations or the setup is auto)")
-    simulate.add_argument("--placement", default="cost", choices=Placer.RULES,
+    simulate.add_argument("--placement", default="cost", choices=PLACEMENT_RULES.names(),
                           help="auto setups: how each request is placed (as `pdserve proxy --placement`); "
                                "the cost rule counts SLO misses first when --goodput names SLOs")
     add_workload_args(simulate)
@@ -463,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    load_plugins()  # $PDSERVE_PLUGINS: their flows, policies, rules and models are choices too
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pdserve.platform import kernel_mode
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "deepseek_v3")
-DEFAULT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                         "deepseek_v3": "DeepseekV3ForCausalLM"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, for decode (models/quantization.py)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a decoder, read from an HF `config.json`: the fields every model family
-    has; a family's own (MLA's ranks, MoE's experts) its model class reads from `hf`."""
+    """The architecture of a decoder, read from an HF `config.json` by its family's class
+    (models/registry.py): the fields every family has; a family's own (Qwen's biases, MLA's ranks,
+    MoE's experts) its model class reads from `hf`."""
 
-    model_type: str
-    architecture: str  # the model class's name (models/registry.py)
+    model_type: str  # the family (models/registry.py)
+    architecture: str  # config.json's `architectures` name
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,9 +30,6 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 always, Llama when attention_bias is set
-    o_bias: bool  # Llama's attention_bias covers o_proj too
-    qk_norm: bool  # Qwen3 normalises q and k per head
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -44,50 +37,38 @@ class ModelConfig:
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the config.json as read
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-            )
+    def from_hf_dict(cls, cfg: dict[str, Any], **family: Any) -> "ModelConfig":
+        """The common fields of `cfg`; `family`: fields its family sets otherwise (MLA: one KV head)."""
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn", None):
             raise ValueError(f"rope type {rope_type!r} is not supported (plain RoPE and YaRN)")
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         num_heads = cfg["num_attention_heads"]
-        # MLA caches one latent per token, shared by every head: one KV "head" (replicated under TP).
-        mla = model_type == "deepseek_v3"
-        attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        model_type = cfg.get("model_type", "llama")
+        common = dict(
             model_type=model_type,
-            architecture=(cfg.get("architectures") or [DEFAULT_ARCHITECTURES[model_type]])[0],
+            architecture=(cfg.get("architectures") or [model_type])[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
-            qk_norm=model_type == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             gguf_weight_type=cfg.get("gguf_weight_type"),
             hf=cfg,
         )
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+        return cls(**{**common, **family})
 
 
 KV_ROLES = {"both": None, "prefill": "kv_producer", "decode": "kv_consumer"}

@@ -52,11 +52,11 @@ def tp_flags(args, role: str) -> list[str]:
 
 def check_node_tp(args) -> None:
     """ValueError naming the flag whose TP size cannot split the model (before any node starts)."""
-    from pdserve.config import ModelConfig
     from pdserve.models.locate import resolve_model_dir
     from pdserve.models.parallel import TensorParallel
+    from pdserve.models.registry import read_model_config
 
-    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    config = read_model_config(resolve_model_dir(args.model))
     for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         try:
             TensorParallel(0, tp).check(config.num_heads, config.num_kv_heads, config.intermediate_size)

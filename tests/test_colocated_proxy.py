@@ -34,11 +34,11 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
 
 
 def test_proxy_flags_must_fit_the_mode():
-    for args, message in ((["--mode", "colocated"], "colocated mode needs at least one --node"),
+    for args, message in ((["--mode", "colocated"], "colocated mode needs at least one colocated node (--node"),
                           (["--mode", "pull", "--prefill", "http://x:1"], "needs at least one prefill and one decode"),
                           (["--mode", "colocated", "--node", "http://a:1", "--decode", "http://b:1"],
                            "colocated mode takes --node URLs"),
-                          (["--mode", "pull", "--node", "http://a:1"], "--node is for colocated"),
+                          (["--mode", "pull", "--node", "http://a:1"], "pull mode takes --prefill / --decode URLs, not --node"),
                           (["--prefill", "localhost:1", "--decode", "http://b:1"], "is not an http(s)://host:port URL"),
                           (["--prefill", "http://a:1", "--decode", "http://a:1"], "already a node"),
                           (["--nodes-file", "/nonexistent.json"], "nodes file /nonexistent.json"),

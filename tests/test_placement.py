@@ -18,6 +18,7 @@ from pdserve.kv.events import KVSnapshot
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.profile import Profile
 from pdserve.proxy.costs import CostModel
+from pdserve.proxy.flows.auto import AutoFlow
 from pdserve.proxy.membership import Membership
 from pdserve.proxy.placement import Placer, PromptView
 from pdserve.proxy.policies import Node, NoHealthyNode
@@ -52,7 +53,7 @@ def placer(tmp_path, nodes: list[Node], held: dict[str, list[int]] | None = None
     node's prefix cache holding `held[url]` hashes."""
     path = tmp_path / "profile.json"
     known_profile().save(path)
-    index = PrefixIndex(Membership("auto"), client=None)
+    index = PrefixIndex(Membership("auto", AutoFlow.roles), client=None)
     for node in nodes:
         index.caches[node.url] = cache = NodeCache()
         cache.load(KVSnapshot("e", 0, 16, (held or {}).get(node.url, [])))

@@ -14,7 +14,8 @@ from servers import Procs
 from test_model_vs_transformers import CHATS, PROMPTS, assert_bf16_logits_close, pdserve_prompt_logits
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig
+from pdserve.models.registry import read_model_config
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.models.quantization import (
     INT4_GROUP,
@@ -38,7 +39,7 @@ def llm_int4(smollm_dir):
 
 
 def test_auto_follows_the_gguf(smollm_dir):
-    assert ModelConfig.from_dir(smollm_dir).gguf_weight_type == "Q4_1"
+    assert read_model_config(smollm_dir).gguf_weight_type == "Q4_1"
     assert resolve_quantization("auto", "Q4_1", "cpu") == "int4"
     assert resolve_quantization("auto", "Q8_0", "cpu") == "int8"
     assert resolve_quantization("auto", "F16", "cpu") == "none"

@@ -141,5 +141,5 @@ def test_auto_takes_shared_memory_on_this_host_and_tcp_elsewhere():
     assert choose_transport("auto", "198.18.0.2", "pdserve-kv-x") == "tcp"  # another host
     assert choose_transport("auto", "127.0.0.1", None) == "tcp"  # the peer has no shared pool
     assert choose_transport("tcp", "127.0.0.1", "pdserve-kv-x") == "tcp"
-    with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
+    with pytest.raises(ValueError, match="KV transport must be one of shm, tcp, got 'rdma'"):
         transport_class("rdma")

@@ -36,17 +36,6 @@ GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 _unknown_logged: set[str] = set()
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -306,12 +295,6 @@ def _template_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
             raise InvalidParameter("messages", f"messages[{i}].tool_calls: arguments of {function['name']!r} "
                                                "are not JSON") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 def new_id(prefix: str) -> str:

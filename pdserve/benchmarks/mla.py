@@ -24,9 +24,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.benchmarks.random_models import save_random_model
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.tp_transfer import BLOCK, time_transfers
-from pdserve.config import ModelConfig
 from pdserve.kv.pool import KVPool
 from pdserve.models.loader import kv_cache_spec
+from pdserve.models.registry import read_model_config
 from pdserve.workload import random_prompts
 
 SIZE = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
@@ -67,7 +67,7 @@ def measure(path: str, args) -> dict:
     finally:
         llm.engine.close()
     blocks = -(-args.prompt_len // BLOCK)
-    spec = kv_cache_spec(ModelConfig.from_dir(path), dtype)
+    spec = kv_cache_spec(read_model_config(path), dtype)
     pools = [[KVPool.for_model(spec, blocks, BLOCK, "cpu", shared=True)] for _ in range(2)]
     res["transfer"] = time_transfers(*pools, args.repeats)
     return res

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.client import DecodeSteps, EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +30,7 @@ from pdserve.models.locate import resolve_model_dir
 from pdserve.models.native import native_ops
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import resolve_quantization
+from pdserve.models.registry import read_model_config
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import plan_kernels
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -55,7 +56,7 @@ class LLMEngine:
             logger.warning(self.plan.warning)
         dtype = self.plan.torch_dtype
         self.model_dir = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_config = read_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         mc = self.model_config
         self.eos_token_ids = mc.eos_token_ids or (

@@ -12,7 +12,7 @@ from pdserve.engine.tp_workers import TPWorkers
 from pdserve.kv.pool import KVPool
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk, RowsAlone
 from pdserve.models.batch_invariant import INVARIANT_PARTITION_BLOCKS
-from pdserve.models.llama import LayerHook
+from pdserve.models.contract import LayerHook
 
 
 class ModelRunner:

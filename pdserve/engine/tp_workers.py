@@ -104,9 +104,9 @@ class TPWorkers:
 
 def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None:
     """A rank's process: its slices of the model and the pool, then every broadcast step."""
-    from pdserve.config import ModelConfig
     from pdserve.kv.pool import KVPool
     from pdserve.models.loader import kv_cache_spec, load_model
+    from pdserve.models.registry import read_model_config
     from pdserve.models.native import native_ops
 
     if spec.threads:
@@ -117,7 +117,7 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     tp = TensorParallel(rank, size)
     model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
                        quantization=spec.quantization, tp=tp)
-    pool = KVPool.for_model(kv_cache_spec(ModelConfig.from_dir(spec.model_dir), spec.dtype, tp), spec.num_blocks,
+    pool = KVPool.for_model(kv_cache_spec(read_model_config(spec.model_dir), spec.dtype, tp), spec.num_blocks,
                             spec.block_size, spec.device,
                             shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
     ops = native_ops() if spec.compiled else None

@@ -26,6 +26,7 @@ expert's intermediate size is split like a dense MLP's, and the layer all-reduce
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -246,6 +247,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     decode_attention = "mla"  # its own: absorbed weights over the latents (not the K/V paged kernel)
     float32_weights = (*LlamaForCausalLM.float32_weights, "mlp.gate.weight")  # and the router's, as DeepSeek keeps it
+
+    @classmethod
+    def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """MLA caches one latent per token, shared by every head: one KV "head" (replicated under TP)."""
+        return ModelConfig.from_hf_dict(hf, num_kv_heads=1)
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:

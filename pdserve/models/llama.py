@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.models.batch_invariant import in_fixed_blocks
+from pdserve.models.contract import LayerHook
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.parallel import SINGLE, TensorParallel
 from pdserve.models.quantization import (
@@ -35,8 +36,22 @@ from pdserve.models.quantization import (
 
 logger = logging.getLogger(__name__)
 
-# Called after each layer has written its KV (the hook for layer-wise KV push).
-LayerHook = Callable[[int], None]
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What Llama's relatives change, by their model_type: q/k/v bias (Qwen2 always, the others with
+    attention_bias), o_proj bias (attention_bias, never Qwen2's), q/k norm per head (Qwen3). A
+    relative of another model_type follows Llama's rules."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> LlamaVariant:
+        bias = bool(cfg.hf.get("attention_bias", False))
+        return cls(qkv_bias=cfg.model_type == "qwen2" or bias, o_bias=cfg.model_type != "qwen2" and bias,
+                   qk_norm=cfg.model_type == "qwen3")
 
 
 def padded_rows(rows: int) -> int:
@@ -247,15 +262,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        variant = LlamaVariant.of(cfg)
         self.tp = tp  # this rank's heads only; o_proj's partial sums are all-reduced
         self.num_heads, self.num_kv_heads = len(tp.heads(cfg.num_heads)), len(tp.kv_heads(cfg.num_kv_heads))
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=variant.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if variant.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rotate: Rotation, kv_cache, meta: AttentionMetadata):
@@ -320,6 +336,10 @@ class LlamaForCausalLM(nn.Module):
     float32_weights: tuple[str, ...] = ("embed_tokens.weight", "lm_head.weight")
 
     @classmethod
+    def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        return ModelConfig.from_hf_dict(hf)
+
+    @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
         """K and V of every layer, per KV head this rank holds (what paged_attention reads and writes)."""
         return KVCacheSpec(cfg.num_layers, len(tp.kv_heads(cfg.num_kv_heads)), cfg.head_dim, dtype,
@@ -345,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
-        residual = self.embed_tokens(input_ids).float()
+        residual = self.embed(input_ids)
         rotate = self.rope.rotation(positions, self.compute_dtype)
         delta = None
         for i, layer in enumerate(self.layers):
@@ -353,6 +373,13 @@ class LlamaForCausalLM(nn.Module):
             if after_layer is not None:
                 after_layer(i)
         return self.norm(delta, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: the tokens' embeddings, float32."""
+        return self.embed_tokens(input_ids).float()
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        self.rope.reset_tables(device)
 
     def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         """float32 logits of the final norm's float32 output."""

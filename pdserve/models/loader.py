@@ -11,14 +11,14 @@ from safetensors import safe_open
 from pdserve.config import ModelConfig
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.parallel import SINGLE, TensorParallel
-from pdserve.models.registry import model_class
+from pdserve.models.registry import model_class, read_model_config
 
 logger = logging.getLogger(__name__)
 
 def kv_cache_spec(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
     """The KV cache the model of `config` keeps (on TP rank `tp`), known before its weights are
     loaded (to size the pool)."""
-    return model_class(config.architecture).kv_cache_spec(config, dtype, tp)
+    return model_class(config).kv_cache_spec(config, dtype, tp)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int,
@@ -26,8 +26,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     """The model (TP rank `tp`'s slices of it) with its weights in `dtype`; `prepack` re-lays its
     bf16 projections for oneDNN; `quantization` (int4 | int8, resolved) quantizes them for decode,
     from float32."""
-    config = ModelConfig.from_dir(model_dir)
-    cls = model_class(config.architecture)
+    config = read_model_config(model_dir)
+    cls = model_class(config)
     load_dtype = torch.float32 if quantization != "none" else dtype
     weights: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
@@ -51,7 +51,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
         sizes = model.quantize(quantization)
         logger.info("quantized for decode: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sizes.items()))
         model.set_compute_dtype(dtype)  # the dense (dequantized) weights, for prefill
-    model.rope.reset_tables(device)
+    model.reset_buffers(device)
     if prepack:
         model.pack_for_cpu()
     return model.eval()

@@ -1,23 +1,29 @@
-"""Model classes by the `architectures` name of an HF config.json. A new model family is one
-module with its model class (a `kv_cache_spec` classmethod and the forward the runner calls)
-plus one line here."""
+"""Model families by the `model_type` of an HF config.json. A new family is one module with its
+model class (the CausalLM contract, models/contract.py: its settings in `read_config`, its KV cache
+in `kv_cache_spec`) plus one line here, or a `MODELS.register` call from a plugin module."""
 
 from __future__ import annotations
 
-import importlib
+import json
+from pathlib import Path
 
-from torch import nn
+from pdserve.config import ModelConfig
+from pdserve.models.contract import CausalLM
+from pdserve.registry import Registry
 
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "pdserve.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k/v bias
-    "Qwen3ForCausalLM": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k norm
-    "DeepseekV3ForCausalLM": "pdserve.models.deepseek:DeepseekV3ForCausalLM",  # MLA, MoE
-}
+MODELS: Registry[CausalLM] = Registry("model_type", {
+    "llama": "pdserve.models.llama:LlamaForCausalLM",
+    "qwen2": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k/v bias
+    "qwen3": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k norm
+    "deepseek_v3": "pdserve.models.deepseek:DeepseekV3ForCausalLM",  # MLA, MoE
+})
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"architecture {architecture!r} is not supported; known: {', '.join(ARCHITECTURES)}")
-    module, cls = ARCHITECTURES[architecture].split(":")
-    return getattr(importlib.import_module(module), cls)
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    return MODELS.get(cfg.model_type)
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """A model dir's config.json, read by its family's class; ValueError for an unknown model_type."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    return MODELS.get(hf.get("model_type", "llama")).read_config(hf)

@@ -6,7 +6,7 @@ would spend all its freedom on the long ones.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -21,9 +21,6 @@ class LinearFit:
 
     def predict(self, values: dict[str, float]) -> float:
         return sum(c * (1.0 if f == "one" else values[f]) for f, c in zip(self.features, self.coefficients))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> LinearFit:

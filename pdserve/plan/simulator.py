@@ -579,7 +579,7 @@ class SimIndex:
         return self.caches.get(node.url)
 
 
-class Proxy:
+class SimProxy:
     def __init__(self, sim: Simulation, setup: Setup, policy: str, transport: str, batching: Batching,
                  prefix_caching: bool = False, placement: str = "cost", slos: dict[str, float] | None = None) -> None:
         if policy not in POLICIES:
@@ -732,7 +732,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
     caching = prefix_caching if prefix_caching is not None else setup.mode == "auto" or turns
     sim = Simulation(profile)
     batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill)
-    proxy = Proxy(sim, setup, policy, transport, batching, caching, placement, slos)
+    proxy = SimProxy(sim, setup, policy, transport, batching, caching, placement, slos)
     size = batching.block_size
     ids = prompts_of(requests, seed) if caching or turns or setup.mode == "auto" else [None] * len(requests)
     trackers: list[Tracker] = [None] * len(requests)  # type: ignore[list-item]

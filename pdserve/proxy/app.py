@@ -26,10 +26,10 @@ from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.proxy.client import NodeClient, NodeError
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.echo import prompt_only
-from pdserve.proxy.flows import ClientRequest, flow_class
+from pdserve.proxy.flows import FLOWS, ClientRequest
 from pdserve.proxy.flows.base import sequences
 from pdserve.proxy.health import HealthPoller
-from pdserve.proxy.membership import DuplicateNode, Membership, NodesFile
+from pdserve.proxy.membership import ROLE_FLAGS, DuplicateNode, Membership, NodesFile
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
@@ -56,31 +56,26 @@ def estimate_tokens(body: dict[str, Any]) -> int:
 
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
-        if config.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {config.policy!r}")
-        flow_cls = flow_class(config.mode)
-        if config.mode == "colocated" and (config.prefill_urls or config.decode_urls):
-            raise ValueError("colocated mode takes --node URLs (and no --prefill / --decode)")
-        if config.mode in ("pull", "push") and config.node_urls:
-            raise ValueError(f"{config.mode} mode takes --prefill and --decode URLs (--node is for colocated)")
+        POLICIES.get(config.policy)  # a bad policy is an error now
+        flow_cls = FLOWS.get(config.mode)
+        flagged = ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"), (config.node_urls, "both"))
+        for urls, role in flagged:
+            if urls and role not in flow_cls.roles:
+                raise ValueError(f"{config.mode} mode takes {' / '.join(ROLE_FLAGS[r] for r in flow_cls.roles)} "
+                                 f"URLs, not {ROLE_FLAGS[role]}")
         self.inflight = 0
         self.config = config
         self.metrics = ProxyMetrics()
         # Colocated nodes serve whole requests: they take the decoders' place in the relay.
-        self.members = Membership(config.mode, on_add=self.metrics.track, on_remove=self.metrics.untrack)
-        for urls, role in ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"), (config.node_urls, "both")):
+        self.members = Membership(config.mode, flow_cls.roles, on_add=self.metrics.track,
+                                  on_remove=self.metrics.untrack)
+        for urls, role in flagged:
             for url in urls:
                 self.members.add(url, role)
-        self.nodes_file = NodesFile(config.nodes_file, config.mode) if config.nodes_file else None
+        self.nodes_file = NodesFile(config.nodes_file) if config.nodes_file else None
         if self.nodes_file:
             self.nodes_file.load(self.members)
-        if config.mode == "colocated" and not self.members.decoders:
-            raise ValueError("colocated mode needs at least one --node (or a nodes file listing \"node\")")
-        if config.mode in ("pull", "push") and not (self.members.prefillers and self.members.decoders):
-            raise ValueError(f"{config.mode} mode needs at least one prefill and one decode node "
-                             "(--prefill / --decode, or a nodes file)")
-        if config.mode == "auto":
-            check_auto_roles(self.members)
+        flow_cls.check_members(self.members)
         self.client = NodeClient(config.request_timeout_s, config.api_key)
         self.prefix_index = PrefixIndex(self.members, self.client)
         self.flow = flow_cls(config, self.members, self.client, self.metrics, self.prefix_index)
@@ -222,16 +217,6 @@ class Proxy:
                                            f"got {value!r}", name)
         req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival), parsed)
         return await self.flow.serve(req)
-
-
-def check_auto_roles(members: Membership) -> None:
-    """Auto mode decodes on decode (kv_consumer) or colocated nodes; prefill nodes need a decode node
-    to pull from them (a colocated node has no KV connector)."""
-    if not members.decoders:
-        raise ValueError("auto mode needs at least one decode (--decode) or colocated (--node) node")
-    if members.prefillers and not any(d.role == "decode" for d in members.decoders):
-        raise ValueError("auto mode cannot use prefill nodes without a decode node to pull their KV "
-                         "(colocated --node nodes have no KV connector)")
 
 
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:

@@ -19,9 +19,9 @@ from pdserve.proxy.policies import Node
 
 logger = logging.getLogger(__name__)
 
-ROLES_BY_MODE = {"pull": ("prefill", "decode"), "push": ("prefill", "decode"), "colocated": ("both",),
-                 "auto": ("prefill", "decode", "both")}
-FILE_KEYS = {"prefill": "prefill", "decode": "decode", "node": "both"}
+FILE_KEYS = {"prefill": "prefill", "decode": "decode", "node": "both"}  # nodes-file key -> role
+ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--node"}  # role -> the proxy's flag
+ROLE_NAMES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
 
 
 class DuplicateNode(ValueError):
@@ -47,6 +47,7 @@ def check_url(url: str) -> str:
 @dataclass
 class Membership:
     mode: str
+    roles: tuple[str, ...]  # what the mode's flow routes to (Flow.roles)
     prefillers: list[Node] = field(default_factory=list)
     decoders: list[Node] = field(default_factory=list)  # decode nodes, or the colocated nodes
     on_add: Callable[[Node], None] = lambda node: None
@@ -60,9 +61,8 @@ class Membership:
         return next((n for n in self.nodes() if n.url == url), None)
 
     def add(self, url: str, role: str) -> Node:
-        allowed = ROLES_BY_MODE[self.mode]
-        if role not in allowed:
-            raise ValueError(f"role must be one of {list(allowed)} in {self.mode} mode, got {role!r}")
+        if role not in self.roles:
+            raise ValueError(f"role must be one of {list(self.roles)} in {self.mode} mode, got {role!r}")
         url = check_url(url)
         if self.find(url) is not None:
             raise DuplicateNode(f"{url} is already a node of this proxy")
@@ -82,7 +82,7 @@ class Membership:
         return node
 
 
-def read_nodes_file(path: str, mode: str) -> set[tuple[str, str]]:
+def read_nodes_file(path: str, mode: str, roles: tuple[str, ...]) -> set[tuple[str, str]]:
     """The (role, url) pairs a nodes file lists; ValueError naming what is wrong with it."""
     try:
         with open(path) as f:
@@ -96,8 +96,8 @@ def read_nodes_file(path: str, mode: str) -> set[tuple[str, str]]:
     pairs = set()
     for key, urls in data.items():
         role = FILE_KEYS.get(key)
-        if role is None or role not in ROLES_BY_MODE[mode]:
-            keys = [k for k, r in FILE_KEYS.items() if r in ROLES_BY_MODE[mode]]
+        if role is None or role not in roles:
+            keys = [k for k, r in FILE_KEYS.items() if r in roles]
             raise ValueError(f"nodes file {path}: key {key!r} is not one of {keys} ({mode} mode)")
         if not isinstance(urls, list):
             raise ValueError(f"nodes file {path}: {key!r} must be a list of URLs")
@@ -114,14 +114,13 @@ class NodesFile:
     """Applies a nodes file to the membership whenever the file changes (checked on each poll)."""
 
     path: str
-    mode: str
     listed: set[tuple[str, str]] = field(default_factory=set)
     mtime_ns: int | None = None
 
     def load(self, membership: Membership) -> None:
         """First read: a bad file is a start-up error."""
         self.mtime_ns = os.stat(self.path).st_mtime_ns if os.path.exists(self.path) else None
-        self._apply(membership, read_nodes_file(self.path, self.mode))
+        self._apply(membership, read_nodes_file(self.path, membership.mode, membership.roles))
 
     def poll(self, membership: Membership) -> None:
         """Later reads: a bad file is logged and the previous membership kept."""
@@ -133,7 +132,7 @@ class NodesFile:
             return
         self.mtime_ns = mtime
         try:
-            self._apply(membership, read_nodes_file(self.path, self.mode))
+            self._apply(membership, read_nodes_file(self.path, membership.mode, membership.roles))
         except ValueError as exc:
             logger.error("%s; keeping the current nodes", exc)
 

@@ -19,15 +19,16 @@ prefill is cheaper than a decode batch one stream too big.
 
 from __future__ import annotations
 
-import itertools
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.proxy.costs import CostModel
-from pdserve.proxy.policies import LeastLoaded, Node, NoHealthyNode
+from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode
 from pdserve.proxy.prefix_index import PrefixIndex
+from pdserve.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -102,28 +103,110 @@ class PromptView:
         return self.tokens - self.cached(node)
 
 
-class Placer:
-    """Chooses by `rule`: `cost` (pdserve's, above) or a baseline in the same code path:
-    `round_robin` and `least_loaded` (decode node by that policy; prefill on a P node whenever the
-    decode node is a D), `threshold` (Dynamo's: the decode node of least uncached prefill + load;
-    prefill remotely only when the uncached prompt exceeds `threshold_tokens` and P's queue is
-    short), `scorers` (llm-d's: prefix cache x3 + queue x2 + KV usage x2, normalized; prefill
-    remotely when the uncached suffix exceeds `threshold_tokens`)."""
+class PlacementRule(ABC):
+    """One way to choose (`--placement NAME`): registered in PLACEMENT_RULES under its `name`. It
+    gets the Placer (its costs, SLOs and settings) and returns a Placement over healthy nodes."""
 
-    RULES = ("cost", "round_robin", "least_loaded", "threshold", "scorers")
-    MAX_PREFILL_QUEUE = 2  # threshold: requests on a P node past which the prefill stays local
+    name: ClassVar[str]
+
+    def __init__(self, placer: Placer) -> None:
+        self.placer = placer
+
+    @abstractmethod
+    def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
+        """The choice for one prompt; `prefillers` may be empty, `decoders` is not."""
+
+
+class CostRule(PlacementRule):
+    """pdserve's: the option of fewest SLO misses, then least TTFT + stall_weight x stall."""
+
+    name = "cost"
+
+    def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
+        placer = self.placer
+        return min(placer.options(view, prefillers, decoders),
+                   key=lambda o: (placer.misses(o, view, output_tokens), o.score(placer.stall_weight),
+                                  o.decoder.active_requests))
+
+
+class ByPolicy(PlacementRule):
+    """A routing policy's baseline: the decode node by the policy, prefill on a P node (by the
+    policy too) whenever the decode node is a D."""
+
+    policy: ClassVar[str]
+
+    def __init__(self, placer: Placer) -> None:
+        super().__init__(placer)
+        self.choosers = {kind: POLICIES.get(self.policy)() for kind in ("prefill", "decode")}
+
+    def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
+        d = self.choosers["decode"].choose(decoders, view.tokens)
+        if d.role == "decode" and prefillers:
+            return view.remote(d, self.choosers["prefill"].choose(prefillers, view.tokens))
+        return view.local(d)
+
+
+class RoundRobinRule(ByPolicy):
+    name = policy = "round_robin"
+
+
+class LeastLoadedRule(ByPolicy):
+    name = policy = "least_loaded"
+
+
+class ThresholdRule(PlacementRule):
+    """Dynamo's: the decode node of least uncached prefill + load; prefill remotely only when the
+    uncached prompt exceeds `threshold_tokens` and P's queue is short."""
+
+    name = "threshold"
+    MAX_PREFILL_QUEUE = 2  # requests on a P node past which the prefill stays local
+
+    def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
+        d = min(decoders, key=lambda n: (view.uncached(n) + n.active_tokens, n.active_requests))
+        p = min(prefillers, key=lambda n: (n.active_requests, view.uncached(n)), default=None)
+        if (d.role == "decode" and p is not None and view.uncached(d) > self.placer.threshold_tokens
+                and p.active_requests < self.MAX_PREFILL_QUEUE):
+            return view.remote(d, p)
+        return view.local(d)
+
+
+class ScorersRule(PlacementRule):
+    """llm-d's: prefix cache x3 + queue x2 + KV usage x2, normalized; prefill remotely when the
+    uncached suffix exceeds `threshold_tokens`."""
+
+    name = "scorers"
+
+    def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
+        d = max(decoders, key=lambda n: self.score(n, decoders, view))
+        if d.role == "decode" and prefillers and view.uncached(d) > self.placer.threshold_tokens:
+            return view.remote(d, max(prefillers, key=lambda n: self.score(n, prefillers, view)))
+        return view.local(d)
+
+    @staticmethod
+    def score(node: Node, nodes: list[Node], view: PromptView) -> float:
+        longest_queue = max(n.active_requests for n in nodes)
+        prefix = view.cached(node) / view.tokens
+        queue = 1.0 - node.active_requests / longest_queue if longest_queue else 1.0
+        return 3 * prefix + 2 * queue + 2 * (1.0 - node.kv_usage)
+
+
+# --placement: a new rule is one PlacementRule subclass plus one entry (or PLACEMENT_RULES.register).
+PLACEMENT_RULES: Registry[PlacementRule] = Registry("--placement", {
+    rule.name: rule for rule in (CostRule, RoundRobinRule, LeastLoadedRule, ThresholdRule, ScorersRule)})
+
+
+class Placer:
+    """Prices the options (PromptView) and chooses by its rule (PLACEMENT_RULES: `cost`, pdserve's,
+    or a baseline in the same code path)."""
 
     def __init__(self, costs: CostModel, index: PrefixIndex, rule: str = "cost", stall_weight: float = 1.0,
                  threshold_tokens: int = 512, transport: str = "shm", slos: dict[str, float] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if rule not in self.RULES:
-            raise ValueError(f"--placement must be one of {', '.join(self.RULES)}, got {rule!r}")
-        self.costs, self.index, self.rule, self.transport = costs, index, rule, transport
+        self.costs, self.index, self.transport = costs, index, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
         self.slos = slos or {}  # ttft_ms / tpot_ms: the cost rule first counts who would miss them
         self.clock = clock  # the simulator runs this Placer on its own clock (plan/simulator.py)
-        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._least_loaded = LeastLoaded()
+        self.rule = PLACEMENT_RULES.get(rule)(self)
 
     def options(self, view: PromptView, prefillers: list[Node], decoders: list[Node]) -> list[Placement]:
         """Every decode node, prefilling locally or on the P node that would answer first."""
@@ -161,38 +244,7 @@ class Placer:
         for d in decoders:  # the decode steps each node ran since the last request
             d.speed.fold_decode(self.costs.step_s)
         view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock())
-        if self.rule == "cost":
-            return min(self.options(view, prefillers, decoders),
-                       key=lambda o: (self.misses(o, view, output_tokens), o.score(self.stall_weight),
-                                      o.decoder.active_requests))
-        if self.rule in ("round_robin", "least_loaded"):
-            d = self._by_policy(decoders, "decode", view)
-            if d.role == "decode" and prefillers:
-                return view.remote(d, self._by_policy(prefillers, "prefill", view))
-            return view.local(d)
-        if self.rule == "threshold":
-            d = min(decoders, key=lambda n: (view.uncached(n) + n.active_tokens, n.active_requests))
-            p = min(prefillers, key=lambda n: (n.active_requests, view.uncached(n)), default=None)
-            if (d.role == "decode" and p is not None and view.uncached(d) > self.threshold_tokens
-                    and p.active_requests < self.MAX_PREFILL_QUEUE):
-                return view.remote(d, p)
-            return view.local(d)
-        d = max(decoders, key=lambda n: self._llmd_score(n, decoders, view))
-        if d.role == "decode" and prefillers and view.uncached(d) > self.threshold_tokens:
-            return view.remote(d, max(prefillers, key=lambda n: self._llmd_score(n, prefillers, view)))
-        return view.local(d)
-
-    def _by_policy(self, nodes: list[Node], kind: str, view: PromptView) -> Node:
-        if self.rule == "round_robin":
-            return nodes[next(self._turns[kind]) % len(nodes)]
-        return self._least_loaded.choose(nodes, view.tokens)
-
-    @staticmethod
-    def _llmd_score(node: Node, nodes: list[Node], view: PromptView) -> float:
-        longest_queue = max(n.active_requests for n in nodes)
-        prefix = view.cached(node) / view.tokens
-        queue = 1.0 - node.active_requests / longest_queue if longest_queue else 1.0
-        return 3 * prefix + 2 * queue + 2 * (1.0 - node.kv_usage)
+        return self.rule.place(view, prefillers, decoders, output_tokens)
 
     def dispatched(self, placement: Placement) -> None:
         """Queue the prefill's predicted time on the node that runs it."""

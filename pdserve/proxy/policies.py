@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdserve.proxy.speed import NodeSpeed
+from pdserve.registry import Registry
 
 
 @dataclass
@@ -39,6 +41,12 @@ class Node:
             self.prefill_backlog_until = 0.0
 
 
+class Policy(Protocol):
+    """Chooses one of the healthy nodes of a role for a request of about `tokens` tokens."""
+
+    def choose(self, nodes: list[Node], tokens: int) -> Node: ...
+
+
 @dataclass
 class RoundRobin:
     _counter: itertools.count = field(default_factory=itertools.count)
@@ -57,25 +65,26 @@ class LeastLoaded:
         return min(nodes, key=lambda n: (n.active_tokens + self.kv_weight_tokens * n.kv_usage, n.active_requests))
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+# --policy: a new policy is a class with `choose(nodes, tokens)` plus one entry (or POLICIES.register).
+POLICIES: Registry[Policy] = Registry("policy", {"round_robin": RoundRobin, "least_loaded": LeastLoaded})
 
 
 class NoHealthyNode(RuntimeError):
     pass
 
 
-def _select(nodes: list[Node], policy, tokens: int, role: str) -> Node:
+def _select(nodes: list[Node], policy: Policy, tokens: int, role: str) -> Node:
     candidates = [n for n in nodes if n.healthy]
     if not candidates:
         raise NoHealthyNode(f"no healthy {role} node")
     return policy.choose(candidates, tokens)
 
 
-def select_prefiller(prefillers: list[Node], policy, tokens: int) -> Node:
+def select_prefiller(prefillers: list[Node], policy: Policy, tokens: int) -> Node:
     return _select(prefillers, policy, tokens, "prefill")
 
 
-def select_decoder(decoders: list[Node], policy, tokens: int) -> Node:
+def select_decoder(decoders: list[Node], policy: Policy, tokens: int) -> Node:
     """The node that serves the answer: a decode node, or a colocated node in colocated mode."""
     role = "colocated" if decoders and decoders[0].role == "both" else "decode"
     return _select(decoders, policy, tokens, role)

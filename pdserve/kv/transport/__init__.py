@@ -7,20 +7,20 @@ else tcp, which reaches everywhere).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from pdserve.kv.transport.base import PeerPool, Transport
+from pdserve.registry import Registry
 
 if TYPE_CHECKING:  # the registry imports nothing heavy: the CLI reads it for its choices
     from pdserve.kv.pool import KVPool
     from pdserve.kv.protocol import KVLayout
     from pdserve.kv.tp_plan import Piece
 
-TRANSPORTS: dict[str, str] = {
+TRANSPORTS: Registry[Transport] = Registry("KV transport", {
     "shm": "pdserve.kv.transport.shm:ShmTransport",
     "tcp": "pdserve.kv.transport.tcp:TcpTransport",
-}
+})
 AUTO = "auto"
 
 __all__ = ["AUTO", "TRANSPORTS", "PeerPool", "Transport", "Transports", "choose_transport",
@@ -73,10 +73,7 @@ class Transports(dict[str, Transport]):
 
 
 def transport_class(name: str) -> type[Transport]:
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown KV transport {name!r} (known: {', '.join(TRANSPORTS)})")
-    module, cls = TRANSPORTS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return TRANSPORTS.get(name)
 
 
 def choose_transport(configured: str, peer_host: str, peer_shm_name: str | None) -> str:

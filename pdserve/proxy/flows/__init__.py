@@ -1,23 +1,16 @@
-"""Proxy flows by mode. A new flow is one module with a `Flow` subclass plus one line here."""
+"""Proxy flows by mode (`--mode`). A new flow is one module with a `Flow` subclass (its `name` and the
+node `roles` it routes to) plus one line here, or a `FLOWS.register` call from a plugin module."""
 
 from __future__ import annotations
 
-import importlib
-
 from pdserve.proxy.flows.base import ClientRequest, Flow
+from pdserve.registry import Registry
 
-FLOWS: dict[str, str] = {
+FLOWS: Registry[Flow] = Registry("mode", {
     "pull": "pdserve.proxy.flows.pull:PullFlow",
     "push": "pdserve.proxy.flows.push:PushFlow",
     "colocated": "pdserve.proxy.flows.colocated:ColocatedFlow",
     "auto": "pdserve.proxy.flows.auto:AutoFlow",
-}
+})
 
-__all__ = ["FLOWS", "ClientRequest", "Flow", "flow_class"]
-
-
-def flow_class(mode: str) -> type[Flow]:
-    if mode not in FLOWS:
-        raise ValueError(f"mode must be one of {', '.join(FLOWS)}, got {mode!r}")
-    module, cls = FLOWS[mode].split(":")
-    return getattr(importlib.import_module(module), cls)
+__all__ = ["FLOWS", "ClientRequest", "Flow"]

@@ -23,7 +23,7 @@ from pdserve.kv.params import KVTransferParams
 from pdserve.proxy.client import NodeClient, NodeError, discard, header_seconds, unreachable, upstream_error
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.echo import PromptPart, for_decode, for_prefill, reports_prompt
-from pdserve.proxy.membership import Membership
+from pdserve.proxy.membership import ROLE_FLAGS, ROLE_NAMES, Membership
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
 from pdserve.proxy.prefix_index import PrefixIndex
@@ -56,13 +56,24 @@ def sequences(body: dict[str, Any]) -> int:
 
 class Flow(ABC):
     name: ClassVar[str]
+    # The node roles it routes to: what `--prefill` / `--decode` / `--node` and a nodes file may list.
+    roles: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+
+    @classmethod
+    def check_members(cls, members: Membership) -> None:
+        """ValueError unless the nodes can serve this flow (by default: one node of each role at least)."""
+        have = {n.role for n in members.nodes()}
+        if not set(cls.roles) <= have:
+            needed = " and one ".join(ROLE_NAMES[r] for r in cls.roles)
+            flags = " / ".join(ROLE_FLAGS[r] for r in cls.roles)
+            raise ValueError(f"{cls.name} mode needs at least one {needed} node ({flags}, or a nodes file)")
 
     def __init__(self, config: ProxyConfig, members: Membership, client: NodeClient, metrics: ProxyMetrics,
                  index: PrefixIndex | None = None) -> None:
         self.config, self.members, self.client, self.metrics = config, members, client, metrics
         self.index = index  # the nodes' prefix caches, as the proxy follows them
-        self.prefill_policy = POLICIES[config.policy]()
-        self.decode_policy = POLICIES[config.policy]()
+        self.prefill_policy = POLICIES.get(config.policy)()
+        self.decode_policy = POLICIES.get(config.policy)()
 
     @abstractmethod
     async def serve(self, req: ClientRequest) -> Response:

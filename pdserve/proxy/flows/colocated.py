@@ -11,6 +11,7 @@ from pdserve.proxy.timing import RequestTiming
 
 class ColocatedFlow(Flow):
     name = "colocated"
+    roles = ("both",)
 
     async def serve(self, req: ClientRequest) -> Response:
         return await self.on_some_node("decode", req, lambda node: self.answer(node, self.ask(node, req, req.body), req))
