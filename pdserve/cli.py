@@ -349,9 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser("proxy", help="run the PD proxy in front of prefill and decode nodes")
-    proxy.add_argument("--prefill", nargs="+", action="extend", metavar="URL", help="prefill node URLs (pull / push)")
-    proxy.add_argument("--decode", nargs="+", action="extend", metavar="URL", help="decode node URLs (pull / push)")
-    proxy.add_argument("--node", nargs="+", action="extend", metavar="URL", help="colocated (--role both) node URLs (colocated, auto)")
+    urls = dict(nargs="+", action="extend", metavar="URL")  # `--node A B` and `--node A --node B` alike
+    proxy.add_argument("--prefill", **urls, help="prefill node URLs (pull / push)")
+    proxy.add_argument("--decode", **urls, help="decode node URLs (pull / push)")
+    proxy.add_argument("--node", **urls, help="colocated (--role both) node URLs (colocated, auto)")
     proxy.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     proxy.add_argument("--mode", default="pull", choices=FLOWS.names(),
                        help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
@@ -381,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="tensor parallel size of each prefill node")
     up.add_argument("--decode-tp", type=int, default=1, metavar="N", help="tensor parallel size of each decode node")
     # The flows that route to P and D nodes (colocated nodes alone: --colocated N).
-    up.add_argument("--mode", default="pull", choices=[n for n, flow in FLOWS.classes().items() if "prefill" in flow.roles],
+    pd_flows = [name for name, flow in FLOWS.classes().items() if "prefill" in flow.roles]
+    up.add_argument("--mode", default="pull", choices=pd_flows,
                     help="auto: per request, prefill on a P node or on the node that decodes (needs --profile)")
     up.add_argument("--nodes", type=int, default=None, metavar="N",
                     help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")

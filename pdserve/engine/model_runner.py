@@ -105,9 +105,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens),
                                  decode_kernel=self.decode_kernel)
-        if self.batch_invariant:
-            meta.prefills = []
-            meta.rows_alone = self._rows_alone(batch)
+        if self.batch_invariant:  # every row attends alone, in place of the chunks and groups
+            meta.prefills, meta.rows_alone = [], self._rows_alone(batch)
         elif self.decode_kernel is not None and decode_lens:  # one group: the kernel pads nothing
             meta.decode_groups.append(self._kernel_group(decode_tables, decode_lens))
         else:

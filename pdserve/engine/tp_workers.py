@@ -106,8 +106,8 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     """A rank's process: its slices of the model and the pool, then every broadcast step."""
     from pdserve.kv.pool import KVPool
     from pdserve.models.loader import kv_cache_spec, load_model
-    from pdserve.models.registry import read_model_config
     from pdserve.models.native import native_ops
+    from pdserve.models.registry import read_model_config
 
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -56,7 +56,7 @@ def estimate_tokens(body: dict[str, Any]) -> int:
 
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
-        POLICIES.get(config.policy)  # a bad policy is an error now
+        POLICIES.get(config.policy)  # a bad policy fails here, naming the choices
         flow_cls = FLOWS.get(config.mode)
         flagged = ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"), (config.node_urls, "both"))
         for urls, role in flagged:
