@@ -68,9 +68,12 @@ def test_a_plugin_placement_rule_places_every_request_in_the_simulator(tmp_path)
         assert data["placement"] == rule and data["placement_counts"] == {"local": local, "remote": 20 - local}
 
 
-def test_a_plugin_model_family_loads_and_generates(tmp_path, random_llama):
+def test_a_plugin_model_family_loads_and_generates(tmp_path, random_llama, monkeypatch):
     """The plugin's family (a Llama relative whose embeddings are scaled by sqrt(hidden)) under its
-    own model_type equals the random Llama whose embedding weights carry that scale."""
+    own model_type equals the random Llama whose embedding weights carry that scale, on one rank and
+    on two (a spawned TP rank loads the plugin itself)."""
+    for name, value in with_plugin().items():
+        monkeypatch.setenv(name, value)
     sys.path.insert(0, PLUGINS_DIR)
     import throwaway_recipes  # noqa: F401  (registers its classes in this process)
 
@@ -88,11 +91,12 @@ def test_a_plugin_model_family_loads_and_generates(tmp_path, random_llama):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     prompts = [[1, 5, 9, 200, 31], [7, 7, 3000]]
     outputs = {}
-    for name, path in (("family", family), ("scaled", scaled)):
-        llm = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory_gib=0.02)
+    for name, path, tp in (("family", family, 1), ("scaled", scaled, 1), ("family TP 2", family, 2)):
+        llm = LLM(str(path), dtype="float32", quantization="none", kv_cache_memory_gib=0.02, tensor_parallel_size=tp)
         outputs[name] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
         llm.engine.close()
     assert outputs["family"] == outputs["scaled"]
+    assert [tokens for tokens, _ in outputs["family TP 2"]] == [tokens for tokens, _ in outputs["family"]]
     (family / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
     with pytest.raises(ValueError, match="model_type must be one of llama, .*throwaway_scaled_llama, got 'no_such_family'"):
         LLM(str(family), kv_cache_memory_gib=0.02)

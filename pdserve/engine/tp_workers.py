@@ -108,7 +108,9 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     from pdserve.models.loader import kv_cache_spec, load_model
     from pdserve.models.native import native_ops
     from pdserve.models.registry import read_model_config
+    from pdserve.registry import load_plugins
 
+    load_plugins()  # a spawned rank runs no CLI: a plugin's model family must be registered here too
     if spec.threads:
         torch.set_num_threads(spec.threads)
     started.set()
