@@ -18,7 +18,6 @@ class ModelConfig:
     MoE's experts) its model class reads from `hf`."""
 
     model_type: str  # the family (models/registry.py)
-    architecture: str  # config.json's `architectures` name
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,7 +49,6 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         common = dict(
             model_type=model_type,
-            architecture=(cfg.get("architectures") or [model_type])[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],

@@ -49,13 +49,11 @@ class Registry(Generic[T]):
         return {name: self.get(name) for name in self._entries}
 
 
-def load_plugins(modules: str | None = None) -> list[str]:
-    """Import the plugin modules named in `modules` (default: $PDSERVE_PLUGINS), so that what they
-    register is there before any choice is read; the CLI calls this first, in every process."""
-    names = [m.strip() for m in (os.environ.get(PLUGINS_ENV, "") if modules is None else modules).split(",")]
-    for name in filter(None, names):
+def load_plugins() -> None:
+    """Import the plugin modules named in $PDSERVE_PLUGINS, so that what they register is there
+    before any choice is read; the CLI calls this first, and so does a spawned TP rank."""
+    for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(name)
         except ImportError as exc:
             raise ImportError(f"{PLUGINS_ENV}: cannot import plugin module {name!r}: {exc}") from exc
-    return [n for n in names if n]

@@ -121,13 +121,17 @@ class ModelRunner:
             sequences.append((len(lens), len(lens) + n))
             tables += [s.request.block_ids] * n
             lens += range(start + 1, start + n + 1)
+        return RowsAlone(self._padded(tables), torch.tensor(lens, device=self.device), INVARIANT_PARTITION_BLOCKS,
+                         sequences)
+
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables as one [n, longest] int64 tensor, zero-padded (padding is never read)."""
         width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
-        return RowsAlone(padded, torch.tensor(lens, device=self.device), INVARIANT_PARTITION_BLOCKS, sequences)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
 
     def _kernel_group(self, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        padded = self._padded(tables)
+        width = padded.shape[1]
         # Split long contexts so that every thread has work even at batch 1 (4 units per thread),
         # in partitions of at least MIN_PARTITION_BLOCKS (merging partitions costs too).
         units = len(lens) * self.kv_cache.shape[-2]  # sequences x KV heads
@@ -138,8 +142,8 @@ class ModelRunner:
 
     def _decode_group(self, start: int, end: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         bs, dev = self.block_size, self.device
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        padded = self._padded(tables)
+        width = padded.shape[1]
         # Additive mask (0 / -inf) over the padded context, built once for all layers.
         visible = torch.arange(width * bs, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)
         mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))

@@ -91,7 +91,8 @@ class Linear(nn.Linear):
         depend on what else is in the batch: a decode node and a colocated one compute it alike.
         Batch-invariant: decode rows take the kernel at any count, and GEMMs run in fixed blocks."""
         dense = self._dense_in_blocks if self.batch_invariant else self._dense
-        if self.quantized is None or not 0 < decode_rows or (decode_rows > MAX_QUANTIZED_ROWS and not self.batch_invariant):
+        few = decode_rows <= MAX_QUANTIZED_ROWS or self.batch_invariant
+        if self.quantized is None or decode_rows == 0 or not few:
             return dense(x)
         # The quantized kernels compute each row alone (tests/test_batch_invariant.py checks it on
         # every machine), so batch-invariant decode rows need no fixed blocks: padding them cost 3x.
