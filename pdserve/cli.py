@@ -108,13 +108,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.api.guards import resolve_api_key
     from pdserve.api.http import serve_app
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.threaded_client import ThreadedEngineClient
     from pdserve.models.locate import default_model_name
-    from pdserve.node.server import build_node_server
+    from pdserve.node.metrics import NodeMetrics
+    from pdserve.node.server import NodeServer
 
     start = time.perf_counter()
-    server = build_node_server(LLMEngine(engine_config_from_args(args)),
-                               args.served_model_name or default_model_name(args.model),
-                               resolve_api_key(args.api_key), args.max_waiting, args.max_body_bytes)
+    # The composition root: the engine on a thread of this process, behind its client.
+    client = ThreadedEngineClient(LLMEngine(engine_config_from_args(args)))
+    metrics = NodeMetrics(client.info, client.stats)
+    client.on_step = metrics.observe_step  # request histograms, fed on the engine thread
+    server = NodeServer(client, metrics, args.served_model_name or default_model_name(args.model),
+                        resolve_api_key(args.api_key), args.max_waiting, args.max_body_bytes)
     logging.getLogger("pdserve").info(
         "node (role %s) loaded in %.1f s; serving %s on http://%s:%d",
         args.role, time.perf_counter() - start, server.model_name, args.host, args.port,

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.messages import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -37,10 +37,9 @@ class LLM:
         param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(batch):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(batch)} prompts")
-        for prompt, sp in zip(batch, param_list):  # reject bad input before any request is queued
-            self.engine.tokenize_prompt(prompt)
-            self.engine.check_params(sp)
-        added = [(self.engine.add_request(p, sp).request_id, sp.n) for p, sp in zip(batch, param_list)]
+        # Reject bad input before any request is queued.
+        checked = [self.engine.check_request(self.engine.tokenize_prompt(p), sp) for p, sp in zip(batch, param_list)]
+        added = [(self.engine.add(request).request_id, request.params.n) for request in checked]
         wanted = [(request_id, i) for request_id, n in added for i in range(n)]
         done: dict[tuple[str, int], RequestOutput] = {}
         with tqdm(total=len(wanted), disable=not use_tqdm, desc="Generating") as bar:

@@ -10,24 +10,23 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.client import DecodeSteps, EngineInfo, EngineStats
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import Grammars
+from pdserve.engine.messages import CheckedRequest, DecodeSteps, EngineInfo, EngineStats, RequestOutput
 from pdserve.engine.model_runner import ModelRunner, is_decode
-from pdserve.engine.request import Request, RequestOutput
+from pdserve.engine.rank import RankSpec, set_up_rank
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.tp_workers import RankSpec, TPWorkers, tp_threads
+from pdserve.engine.tp_workers import TPWorkers, tp_threads
 from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
-from pdserve.kv.events import KVEventLog
+from pdserve.kv.events import KVEventLog, KVEventPage, KVSnapshot
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.params import KVTransferParams
-from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.kv.pool import KVPool
-from pdserve.kv.stats import KVStats
+from pdserve.kv.stats import KVStats, KVStatsSnapshot
 from pdserve.kv.transport import uses_shared_pool
-from pdserve.models.loader import kv_cache_spec, load_model
+from pdserve.models.loader import kv_cache_spec
 from pdserve.models.locate import resolve_model_dir
-from pdserve.models.native import native_ops
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import resolve_quantization
 from pdserve.models.registry import read_model_config
@@ -43,122 +42,113 @@ MAX_DEFAULT_MODEL_LEN = 8192
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # TP ranks share the machine's cores: each takes its share unless told (oversubscribed, every
-        # all-reduce waits for the slowest rank).
-        self.threads = config.threads or (tp_threads(config.tensor_parallel_size)
-                                          if config.tensor_parallel_size > 1 else None)
-        if self.threads:
-            torch.set_num_threads(self.threads)
         # dtype and kernels from what the device supports; a slower path asked for is said once here.
         self.plan = plan_kernels(config.dtype, config.device, config.kernels)
         logger.info("kernels: %s", self.plan.describe())
         if self.plan.warning:
             logger.warning(self.plan.warning)
-        dtype = self.plan.torch_dtype
         self.model_dir = resolve_model_dir(config.model)
-        self.model_config = read_model_config(self.model_dir)
+        self.model_config = mc = read_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        mc = self.model_config
         self.eos_token_ids = mc.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
-
         self.grammars = Grammars(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids)  # structured output
         # Tensor parallelism: this process is rank 0 (it schedules); ranks 1.. are started below.
         self.tp = TensorParallel(0, config.tensor_parallel_size)
         self.tp.check(mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
-        self.kv_spec = kv_cache_spec(mc, dtype, self.tp)  # the model says what it keeps per token (this rank's heads)
-        bytes_per_block = config.block_size * self.kv_spec.bytes_per_token
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // bytes_per_block)
-        capacity = num_blocks * config.block_size
-        if config.max_model_len is not None:
-            if config.max_model_len > mc.max_position_embeddings:
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} exceeds the model's context length "
-                    f"{mc.max_position_embeddings}"
-                )
-            if config.max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} does not fit the KV pool ({capacity} tokens); "
-                    "raise the KV cache memory or lower max_model_len"
-                )
-            self.max_model_len = config.max_model_len
-        else:
-            self.max_model_len = min(mc.max_position_embeddings, MAX_DEFAULT_MODEL_LEN, capacity)
+        self.kv_spec = kv_cache_spec(mc, self.plan.torch_dtype, self.tp)  # what the model keeps per token (this rank's heads)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // self._bytes_per_block)
+        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         # Without chunking a whole prompt must fit one step's budget.
-        self.max_num_batched_tokens = (
-            config.max_num_batched_tokens
-            if config.enable_chunked_prefill
-            else max(config.max_num_batched_tokens, self.max_model_len)
-        )
-
+        self.max_num_batched_tokens = (config.max_num_batched_tokens if config.enable_chunked_prefill
+                                       else max(config.max_num_batched_tokens, self.max_model_len))
         # Weight-only quantization for decode: `auto` serves a Q4 GGUF as int4 (models/quantization.py).
         self.quantization = resolve_quantization(config.quantization, mc.gguf_weight_type, config.device)
-        kv = config.kv_transfer
-        # P and D keep their pools in shared memory when a transport may need it (shm: a peer on
-        # this host copies blocks with one memcpy, D out of P's pool, P into D's). With TP they
-        # always do, one pool per rank made here: this rank's connector moves every rank's share.
-        ranks_share_pools = kv.role != "both" and self.tp.size > 1
-        self.pools = [KVPool.for_model(self.kv_spec, num_blocks, config.block_size, config.device,
-                                       shared=kv.role != "both" and (uses_shared_pool(kv.transport) or ranks_share_pools))
-                      for _ in range(self.tp.size if ranks_share_pools else 1)]
+        self.pools = self._make_pools(num_blocks)
         self.pool = self.pools[0]
-        self.tp_workers = None
+        # TP ranks share the machine's cores: each takes its share unless told (oversubscribed, every
+        # all-reduce waits for the slowest rank).
+        self.threads = config.threads or (tp_threads(self.tp.size) if self.tp.size > 1 else None)
+        rank_spec = RankSpec(str(self.model_dir), self.plan.torch_dtype, config.device, self.max_model_len,
+                             self.plan.prepack, self.quantization, self.plan.compiled, num_blocks, config.block_size,
+                             self.threads, config.batch_invariant,
+                             tuple(pool.shm_name for pool in self.pools) if len(self.pools) > 1 else ())
+        self.tp_workers: TPWorkers | None = None
+        self.connector_worker: KVConnectorWorker | None = None
         try:
             if self.tp.size > 1:
-                self.tp_workers = TPWorkers(RankSpec(
-                    str(self.model_dir), dtype, config.device, self.max_model_len, self.plan.prepack,
-                    self.quantization, self.plan.compiled, num_blocks, config.block_size, self.threads,
-                    config.batch_invariant,
-                    tuple(pool.shm_name for pool in self.pools) if ranks_share_pools else ()), self.tp.size)
-            model = load_model(self.model_dir, dtype, config.device, self.max_model_len, prepack=self.plan.prepack,
-                               quantization=self.quantization, tp=self.tp)
-            if config.batch_invariant:
-                model.set_batch_invariant()  # ValueError for a model without a batch-invariant path
+                self.tp_workers = TPWorkers(rank_spec, self.tp.size)
+            model, kernel = set_up_rank(rank_spec, self.tp)
         except BaseException:
-            if self.tp_workers is not None:
-                self.tp_workers.close()
-            for pool in self.pools:
-                pool.close()
+            self.close()
             raise
         self.engine_id = new_engine_id()
         self.kv_stats = KVStats()
-        self.connector: KVConnectorScheduler | None = None
-        self.connector_worker: KVConnectorWorker | None = None
-        if kv.role != "both":
-            held = HeldBlocks(kv.hold_timeout_s)
-            self.connector = KVConnectorScheduler(kv, config.block_size, held, self.engine_id)
-            self.connector_worker = KVConnectorWorker(kv, held, self.kv_stats)
-            self.connector.advertised = self.connector_worker.register_kv_caches(self.pools)
+        self.connector, self.connector_worker = self._kv_connector()
         self.kv_events = KVEventLog(config.block_size)
         self.decode_steps = DecodeSteps()
         self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
-            self.connector, self.kv_stats, kv.load_failure_policy,
+            self.connector, self.kv_stats, config.kv_transfer.load_failure_policy,
         )
-        # Decode attention and the fused elementwise ops on pdserve's C++ kernels unless forced
-        # portable or they cannot be built here (no compiler): then torch ops, SDPA over gathered blocks.
-        ops = native_ops() if self.plan.compiled else None
-        kernel = model.decode_kernel(ops)
         paged = model.decode_attention == "paged"  # the K/V paged attention (models/attention.py), else the model's own
         self.attention = "native" if kernel is not None else "sdpa" if paged else model.decode_attention
-        if ops is not None:
-            model.use_native_kernels(ops)
         self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers, config.batch_invariant)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s, %s, quantization %s, %s decode attention, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             self.model_dir.name, self.plan.dtype, self.quantization, self.attention, num_blocks, config.block_size,
-            num_blocks * bytes_per_block / 2**20, self.max_model_len,
+            num_blocks * self._bytes_per_block / 2**20, self.max_model_len,
         )
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    @property
+    def _bytes_per_block(self) -> int:
+        return self.config.block_size * self.kv_spec.bytes_per_token
+
+    def _max_model_len(self, capacity: int) -> int:
+        """The asked max_model_len, checked against the model and the KV pool's `capacity` tokens;
+        unasked, the most both allow (at most MAX_DEFAULT_MODEL_LEN)."""
+        asked, model_len = self.config.max_model_len, self.model_config.max_position_embeddings
+        if asked is None:
+            return min(model_len, MAX_DEFAULT_MODEL_LEN, capacity)
+        if asked > model_len:
+            raise ValueError(f"max_model_len {asked} exceeds the model's context length {model_len}")
+        if asked > capacity:
+            raise ValueError(f"max_model_len {asked} does not fit the KV pool ({capacity} tokens); "
+                             "raise the KV cache memory or lower max_model_len")
+        return asked
+
+    def _make_pools(self, num_blocks: int) -> list[KVPool]:
+        """P and D keep their pools in shared memory when a transport may need it (shm: a peer on
+        this host copies blocks with one memcpy, D out of P's pool, P into D's). With TP they
+        always do, one pool per rank made here: this rank's connector moves every rank's share."""
+        kv, config = self.config.kv_transfer, self.config
+        ranks_share_pools = kv.role != "both" and self.tp.size > 1
+        shared = kv.role != "both" and (uses_shared_pool(kv.transport) or ranks_share_pools)
+        return [KVPool.for_model(self.kv_spec, num_blocks, config.block_size, config.device, shared=shared)
+                for _ in range(self.tp.size if ranks_share_pools else 1)]
+
+    def _kv_connector(self) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+        """P and D: the connector's scheduler side and its worker side, which registers the pools."""
+        kv = self.config.kv_transfer
+        if kv.role == "both":
+            return None, None
+        held = HeldBlocks(kv.hold_timeout_s)
+        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id)
+        worker = KVConnectorWorker(kv, held, self.kv_stats)
+        connector.advertised = worker.register_kv_caches(self.pools)
+        return connector, worker
 
     # -- requests -------------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids; ValueError names what is wrong."""
+        """Token ids of a prompt given as text or ids; InvalidParameter names what is wrong."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt) if prompt else []
         else:
@@ -177,35 +167,31 @@ class LLMEngine:
             )
         return ids
 
-    def check_params(self, params: SamplingParams) -> None:
-        """InvalidParameter for what only this model can say: logit_bias outside its vocabulary, a
-        structured output constraint that does not compile (compiled here once, then cached)."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      kv_transfer_params: KVTransferParams | None = None) -> CheckedRequest:
+        """The one check of a request (prompt ids from tokenize_prompt): InvalidParameter for what
+        only this model can say (logit_bias outside its vocabulary, a structured output constraint
+        that does not compile: compiled here once, then cached) and for kv_transfer_params this
+        node cannot act on. Any thread may call it: it reads only what is fixed at start."""
         params.check_vocab(self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)
+        if kv_transfer_params is not None:
+            if self.connector is None:
+                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
+            self.connector.validate(kv_transfer_params, len(prompt_token_ids))
+        return CheckedRequest(prompt_token_ids, params, kv_transfer_params)
 
-    def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
-        """InvalidParameter if this node cannot act on the proxy's kv_transfer_params."""
-        if params is None:
-            return
-        if self.connector is None:
-            raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
-        self.connector.validate(params, num_prompt_tokens)
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    kv_transfer_params: KVTransferParams | None = None) -> Request:
+        """Check a request and add it (the offline path: LLM, profiles, tests)."""
+        return self.add(self.check_request(self.tokenize_prompt(prompt), params, kv_transfer_params), request_id)
 
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        kv_transfer_params: KVTransferParams | dict | None = None,
-        arrival_time: float | None = None,
-    ) -> Request:
-        token_ids = self.tokenize_prompt(prompt)
-        self.check_params(params)
-        if isinstance(kv_transfer_params, dict):
-            kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
-        self.check_kv_transfer_params(kv_transfer_params, len(token_ids))
+    def add(self, request: CheckedRequest, request_id: str | None = None,
+            arrival_time: float | None = None) -> Request:
+        """Queue a checked request; ValueError if its id is taken. Returns its first sequence."""
         request_id = request_id if request_id is not None else str(next(self._ids))
+        params = request.params
         # n > 1: n requests; the first keeps the client's id (a KV transfer names it), the others
         # get "<id>.<i>", and a seed s seeds sequence i with s + i (as vLLM does).
         ids = [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
@@ -213,8 +199,8 @@ class LLMEngine:
             if rid in self.scheduler.requests or rid in self.scheduler.families:
                 raise ValueError(f"request id {rid!r} is already in use")
         sequences = [
-            Request(rid, token_ids, params, IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
-                    self.max_model_len, self._generator(params, i), kv_transfer_params if i == 0 else None,
+            Request(rid, request.prompt_token_ids, params, IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
+                    self.max_model_len, self._generator(params, i), request.kv_transfer_params if i == 0 else None,
                     arrival_time, client_id=request_id, index=i,
                     grammar=self.grammars.matcher(params.structured) if params.structured else None)
             for i, rid in enumerate(ids)
@@ -232,6 +218,10 @@ class LLMEngine:
         """Abort a request (all n of its sequences); their final outputs, none if it is unknown."""
         return self.scheduler.abort(request_id)
 
+    def abort_all(self) -> None:
+        for request_id in list(self.scheduler.requests):
+            self.abort_request(request_id)
+
     def ranks_alive(self) -> bool:
         """Whether every TP rank's process is running (a node whose rank died is unhealthy at once)."""
         return self.tp_workers is None or self.tp_workers.alive()
@@ -242,7 +232,25 @@ class LLMEngine:
     def has_runnable_requests(self) -> bool:
         return self.scheduler.has_runnable()
 
-    # -- state, for the engine client -----------------------------------------------------------
+    # -- for the engine client: what is fixed at start, and what any thread may read -------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
+                            tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens included), as logprobs name tokens."""
+        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+    def kv_event_page(self, after: int) -> KVEventPage:
+        return self.kv_events.page(after)  # the event log takes a lock
+
+    def kv_snapshot(self) -> KVSnapshot:
+        return self.kv_events.snapshot()
+
+    def transfer_stats(self) -> KVStatsSnapshot:
+        """The KV transfer counters now (side-channel threads move them between steps)."""
+        return self.kv_stats.snapshot()
 
     def info(self) -> EngineInfo:
         return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels(), self.model_config.vocab_size,
@@ -300,7 +308,8 @@ class LLMEngine:
         return outputs + self.scheduler.update_from_output(scheduled, sampled)
 
     def close(self) -> None:
-        """Release the side channel, the shared-memory pool (a prefill node's) and the other TP ranks."""
+        """Release the side channel, the shared-memory pools and the other TP ranks (also what a
+        failed start had made)."""
         if self.connector_worker is not None:
             self.connector_worker.close()
         if self.tp_workers is not None:

@@ -7,17 +7,9 @@ how it was sampled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the k most likely tokens and their logprobs, most likely first
-    rank: int = 1  # 1 + how many tokens were more likely (vLLM's prompt_logprobs report it)
+from pdserve.engine.messages import TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:

@@ -1,16 +1,15 @@
-"""A request's state inside the engine, and what the engine reports back for it."""
+"""A request's state inside the engine; `output()` is what the engine reports back for it."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import GrammarMatcher
-from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.messages import RequestMetrics, RequestOutput, TokenLogprob
 from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
@@ -35,26 +34,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # wall time of each output token
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_remote_tokens: int = 0  # prompt tokens whose KV was loaded from a prefill node
-    kv_load_seconds: float = 0.0  # time spent waiting for remote KV
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 class Request:
@@ -139,42 +118,22 @@ class Request:
         elif self.grammar is not None and self.grammar.done:  # complete: nothing but the end may follow
             self.status = RequestStatus.FINISHED_STOPPED
 
-
-@dataclass
-class RequestOutput:
-    """The state of one request after an engine step (or at its end)."""
-
-    request_id: str  # the client's id (for n > 1, every sequence's)
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text so far (stop strings and special tokens removed)
-    new_token_ids: list[int]
-    text_delta: str  # text to stream now; a possible stop-string prefix is held back
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    kv_transfer_params: KVTransferParams | None = None  # P: where D can pull this request's KV
-    error: str | None = None
-    logprobs: list[TokenLogprob] | None = None  # of every output token so far, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # of every prompt token (the first: None), when asked for
-    index: int = 0  # which of the request's n sequences (OpenAI's choice index)
-
-    @classmethod
-    def of(cls, req: Request, new_token_ids: list[int]) -> "RequestOutput":
-        finished = req.status.finished
-        return cls(
-            request_id=req.client_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=req.detokenizer.text,
+    def output(self, new_token_ids: list[int]) -> RequestOutput:
+        """What the client sees of this request now."""
+        finished = self.status.finished
+        return RequestOutput(
+            request_id=self.client_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.output_token_ids,
+            text=self.detokenizer.text,
             new_token_ids=new_token_ids,
-            text_delta=req.detokenizer.take_delta(req.params.max_stop_len, finished),
+            text_delta=self.detokenizer.take_delta(self.params.max_stop_len, finished),
             finished=finished,
-            finish_reason=req.status.finish_reason,
-            metrics=req.metrics,
-            kv_transfer_params=req.kv_transfer_params_out,
-            error=req.error,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-            index=req.index,
+            finish_reason=self.status.finish_reason,
+            metrics=self.metrics,
+            kv_transfer_params=self.kv_transfer_params_out,
+            error=self.error,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs if self.params.prompt_logprobs is not None else None,
+            index=self.index,
         )

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request, RequestOutput, RequestStatus
+from pdserve.engine.messages import RequestOutput
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv.params import wants_remote_prefill
 
 if TYPE_CHECKING:
@@ -217,12 +218,12 @@ class Scheduler:
                 if req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
                     req.status = RequestStatus.FINISHED_LENGTH  # echo's scoring call: the prompt was all it asked
                     self._finish(req)
-                    outputs.append(RequestOutput.of(req, []))
+                    outputs.append(req.output([]))
                 continue  # a prefill chunk that does not reach the end of the prompt yet
             req.append_token(token, now)
             if req.status.finished:
                 self._finish(req)
-            outputs.append(RequestOutput.of(req, [token]))
+            outputs.append(req.output([token]))
         return outputs
 
     def _fork(self, first: Request) -> None:
@@ -246,7 +247,7 @@ class Scheduler:
         for req in live:
             if not req.status.finished:  # aborting the first may have ended siblings still waiting for it
                 self._abort(req)
-        return [RequestOutput.of(req, []) for req in live]
+        return [req.output([]) for req in live]
 
     def _abort(self, req: Request) -> None:
         if req in self.waiting:

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
-from pdserve.engine.client import EngineClient, EngineDeadError, EngineStats
+from pdserve.engine.client import EngineClient, EngineDeadError
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.messages import CheckedRequest, EngineStats, RequestOutput
 from pdserve.kv.events import KVEventPage, KVSnapshot
 from pdserve.kv.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
@@ -32,9 +32,7 @@ TRANSFER_POLL_S = 0.002
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kv_transfer_params: KVTransferParams | None = None
+    request: CheckedRequest
     arrival_time: float = field(default_factory=time.perf_counter)  # counts the wait for a step to end
 
 
@@ -81,15 +79,13 @@ class ThreadedEngineClient(EngineClient):
 
     def stats(self) -> EngineStats:
         # Transfer counters move between steps (side-channel threads): read them now.
-        return replace(self._stats, kv=self.engine.kv_stats.snapshot())
-
-    # The event log takes a lock: any thread may read it.
+        return replace(self._stats, kv=self.engine.transfer_stats())
 
     def kv_events(self, after: int) -> KVEventPage:
-        return self.engine.kv_events.page(after)
+        return self.engine.kv_event_page(after)
 
     def kv_snapshot(self) -> KVSnapshot:
-        return self.engine.kv_events.snapshot()
+        return self.engine.kv_snapshot()
 
     # Tokenizing and checking run on the caller's thread: they read only what is fixed at start.
 
@@ -98,30 +94,23 @@ class ThreadedEngineClient(EngineClient):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
                             tools: list[dict] | None = None) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.engine.apply_chat_template(messages, add_generation_prompt, tools)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
-        return [self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        return self.engine.token_texts(token_ids)
 
-    def check_params(self, params: SamplingParams) -> None:
-        self.engine.check_params(params)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      kv_transfer_params: KVTransferParams | None = None) -> CheckedRequest:
+        return self.engine.check_request(prompt_token_ids, params, kv_transfer_params)
 
-    def check_kv_transfer_params(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
-        self.engine.check_kv_transfer_params(params, num_prompt_tokens)
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_transfer_params: KVTransferParams | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, request: CheckedRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (of all its n sequences) until it finishes; leaving early aborts it."""
         if not self.healthy:
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, params, kv_transfer_params))
+        self._commands.put(_Add(request_id, request))
+        n = request.params.n
         finished: set[int] = set()  # the indices of the n sequences that have finished
         try:
             while True:
@@ -131,11 +120,11 @@ class ThreadedEngineClient(EngineClient):
                 if item.finished:
                     finished.add(item.index)
                 yield item
-                if len(finished) == params.n:
+                if len(finished) == n:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if len(finished) < params.n:
+            if len(finished) < n:
                 self._commands.put(_Abort(request_id))
 
     # -- engine thread ----------------------------------------------------------------------
@@ -165,8 +154,7 @@ class ThreadedEngineClient(EngineClient):
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(f"engine failed: {exc!r}"))
         finally:
-            for request_id in list(self.engine.scheduler.requests):
-                self.engine.abort_request(request_id)
+            self.engine.abort_all()
             self.engine.close()
 
     def _drain_commands(self, wait: float) -> bool:
@@ -188,8 +176,7 @@ class ThreadedEngineClient(EngineClient):
             if stream is None:  # the client left before the request reached the engine
                 continue
             try:
-                self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.kv_transfer_params,
-                                        cmd.arrival_time)
+                self.engine.add(cmd.request, cmd.request_id, cmd.arrival_time)
             except ValueError as exc:
                 stream.put(exc)
         if applied:  # publish now: the requests just added are waiting, the aborted ones gone

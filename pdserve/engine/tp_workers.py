@@ -15,35 +15,17 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.rank import RankSpec, set_up_rank
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.parallel import TensorParallel
 
 TIMEOUT_S = 600.0  # a collective that waits longer fails (the first waits for every rank's model to load)
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """What a rank needs to build its slices: the same choices rank 0 made."""
-
-    model_dir: str
-    dtype: torch.dtype
-    device: str
-    max_model_len: int
-    prepack: bool
-    quantization: str
-    compiled: bool  # pdserve's C++ kernels
-    num_blocks: int
-    block_size: int
-    threads: int | None
-    batch_invariant: bool  # models/batch_invariant.py
-    pool_shm_names: tuple[str, ...] = ()  # a node with a KV role: rank 0 made every rank's pool, by rank
 
 
 def tp_threads(size: int) -> int:
@@ -105,29 +87,19 @@ class TPWorkers:
 def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None:
     """A rank's process: its slices of the model and the pool, then every broadcast step."""
     from pdserve.kv.pool import KVPool
-    from pdserve.models.loader import kv_cache_spec, load_model
-    from pdserve.models.native import native_ops
+    from pdserve.models.loader import kv_cache_spec
     from pdserve.models.registry import read_model_config
     from pdserve.registry import load_plugins
 
     load_plugins()  # a spawned rank runs no CLI: a plugin's model family must be registered here too
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
     started.set()
     dist.init_process_group(backend(spec.device), init_method=init, rank=rank, world_size=size,
                             timeout=timedelta(seconds=TIMEOUT_S))
     tp = TensorParallel(rank, size)
-    model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
-                       quantization=spec.quantization, tp=tp)
+    model, kernel = set_up_rank(spec, tp)
     pool = KVPool.for_model(kv_cache_spec(read_model_config(spec.model_dir), spec.dtype, tp), spec.num_blocks,
                             spec.block_size, spec.device,
                             shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
-    ops = native_ops() if spec.compiled else None
-    if ops is not None:
-        model.use_native_kernels(ops)
-    if spec.batch_invariant:
-        model.set_batch_invariant()
-    kernel = model.decode_kernel(ops)
     kv_caches = list(pool.tensor.unbind(0))
     with torch.inference_mode():
         while True:

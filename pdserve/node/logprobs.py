@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.messages import TokenLogprob
 
 TokenTexts = Callable[[list[int]], list[str]]
 

@@ -9,8 +9,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.api.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
-from pdserve.engine.client import EngineInfo, EngineStats
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.messages import EngineInfo, EngineStats, RequestOutput
 
 
 class NodeMetrics:

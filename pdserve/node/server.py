@@ -27,9 +27,7 @@ from pdserve.api.openai_protocol import (
 )
 from pdserve.api.tools import ToolCallStream, ToolUse
 from pdserve.engine.client import EngineClient, EngineDeadError
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import RequestOutput
-from pdserve.engine.threaded_client import ThreadedEngineClient
+from pdserve.engine.messages import RequestOutput
 from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.kv.params import wants_remote_prefill
 from pdserve.node.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
@@ -167,21 +165,21 @@ class NodeServer:
 
     async def _serve(self, raw: Request, body, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      chat: bool, echo: str | None = None, tools: ToolUse | None = None):
-        if params.structured is not None:  # compiling a grammar may take a while: off the event loop
-            await asyncio.to_thread(self.engine.check_params, params)
-        else:
-            self.engine.check_params(params)
-        waiting = self.engine.stats().num_waiting
-        if overloaded(waiting, self.max_waiting):
-            return too_busy(waiting)
         kv_params = parse_kv_transfer_params(body.kv_transfer_params)
-        self.engine.check_kv_transfer_params(kv_params, len(prompt_ids))  # 400 now, not on the engine thread
         if params.prompt_logprobs is not None and wants_remote_prefill(kv_params):
             raise InvalidParameter("echo" if echo is not None else "prompt_logprobs",
                                    "this decode node does not compute the prompt: its prefill node reports the "
                                    "prompt's logprobs (send the request through the proxy)")
+        # 400 now, not on the engine thread; compiling a grammar may take a while: off the event loop.
+        if params.structured is not None:
+            checked = await asyncio.to_thread(self.engine.check_request, prompt_ids, params, kv_params)
+        else:
+            checked = self.engine.check_request(prompt_ids, params, kv_params)
+        waiting = self.engine.stats().num_waiting
+        if overloaded(waiting, self.max_waiting):
+            return too_busy(waiting)
         answer = AnswerShape(chat, echo, body.prompt_logprobs is not None, tools)
-        outputs = self.engine.generate(request_id, prompt_ids, params, kv_params)
+        outputs = self.engine.generate(request_id, checked)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP
         # error, and the stage timings can go into the response headers.
         first = await self._next_or_disconnect(raw, outputs)
@@ -340,12 +338,3 @@ class AnswerShape:
     echo: str | None = None
     vllm_prompt_logprobs: bool = False
     tools: ToolUse | None = None  # chat with tools: calls parsed out of the text
-
-
-def build_node_server(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-                      max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> NodeServer:
-    """A node whose engine runs on a thread of this process."""
-    client = ThreadedEngineClient(engine)
-    metrics = NodeMetrics(client.info, client.stats)
-    client.on_step = metrics.observe_step  # request histograms, fed on the engine thread
-    return NodeServer(client, metrics, served_model_name, api_key, max_waiting, max_body_bytes)
