@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from pdserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.models.llama import Linear, padded_rows
+from pdserve.models.layers import Linear, padded_rows
 from pdserve.platform import CpuInfo, onednn_bf16_prepack_works
 
 

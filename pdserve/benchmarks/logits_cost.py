@@ -22,7 +22,7 @@ import torch
 from pdserve import LLM
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.timing import best_ms, decode_step_ms
-from pdserve.models.llama import padded_rows
+from pdserve.models.layers import padded_rows
 from pdserve.models.quantization import MAX_QUANTIZED_ROWS, quantize_int8
 from pdserve.platform import CpuInfo
 

@@ -69,7 +69,7 @@ class AttentionMetadata:
     rows_alone: RowsAlone | None = None  # batch-invariant mode: every row, instead of the groups and chunks
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def gather_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """K and V of the blocks in `block_table` as one run each: [2, ..., n * block_size, KVH, D]."""
     two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     # index_select over whole blocks is a row memcpy, ~3x faster than advanced indexing here.
@@ -99,7 +99,7 @@ def paged_attention(
             meta.decode_kernel(q[group.start : group.end], kv_cache, group.block_tables, group.context_lens,
                                out[group.start : group.end], scale, group.partition_blocks)
             continue
-        keys, values = _gather(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
+        keys, values = gather_blocks(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
         query = q[group.start : group.end].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)
         out[group.start : group.end] = o.squeeze(2)
@@ -115,7 +115,7 @@ def paged_attention(
             )
         else:
             n, ctx = chunk.end - chunk.start, chunk.context_len
-            keys, values = _gather(kv_cache, chunk.block_table)[:, :ctx].transpose(1, 2).unsqueeze(1)
+            keys, values = gather_blocks(kv_cache, chunk.block_table)[:, :ctx].transpose(1, 2).unsqueeze(1)
             # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal).
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
             o = F.scaled_dot_product_attention(
@@ -135,7 +135,7 @@ def _attend_rows_alone(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowsAlone,
     lens, block_size = rows.context_lens.tolist(), kv_cache.shape[2]
     for start, end in rows.sequences:
         table = rows.block_tables[start, : -(-lens[end - 1] // block_size)]
-        keys, values = _gather(kv_cache, table).transpose(1, 2).unsqueeze(1)  # [2, 1, KVH, L, D]
+        keys, values = gather_blocks(kv_cache, table).transpose(1, 2).unsqueeze(1)  # [2, 1, KVH, L, D]
         for i in range(start, end):
             o = F.scaled_dot_product_attention(q[i, None, :, None], keys[..., : lens[i], :], values[..., : lens[i], :],
                                                scale=scale, enable_gqa=True)  # [1, H, 1, D]

@@ -1,6 +1,7 @@
 """What the engine, the loader and the TP ranks call on a model: the contract a model family's class
-keeps (models/registry.py registers it by `model_type`). `LlamaForCausalLM` implements it; a
-relative subclasses it, another family implements it anew (DeepSeek's MLA)."""
+keeps (models/registry.py registers it by `model_type`). `DecoderLM` (models/decoder.py) implements
+all of it but a family's layers and weight names; Llama and DeepSeek subclass it with their own
+layers (composed from models/layers.py), and a relative of Llama subclasses Llama."""
 
 from __future__ import annotations
 

@@ -33,20 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.models.attention import AttentionMetadata, DecodeGroup, _gather
+from pdserve.models.attention import AttentionMetadata, DecodeGroup, gather_blocks
+from pdserve.models.decoder import DecoderLM
 from pdserve.models.kv_spec import KVCacheSpec
-from pdserve.models.llama import (
+from pdserve.models.layers import (
     MLP,
+    DecoderLayer,
     Linear,
-    LlamaForCausalLM,
-    OutputHead,
     RMSNorm,
     RotaryEmbedding,
     Rotation,
     Yarn,
-    _rows,
     load_mlp,
     row_parallel,
+    rows_of,
 )
 from pdserve.models.parallel import SINGLE, TensorParallel
 
@@ -152,7 +152,7 @@ class MLAttention(nn.Module):
             if chunk.block_table is None:
                 context = entry[chunk.start : chunk.end]
             else:
-                context = _gather(kv_cache, chunk.block_table)[0, :ctx, 0]  # [ctx, latent]
+                context = gather_blocks(kv_cache, chunk.block_table)[0, :ctx, 0]  # [ctx, latent]
             keys_nope, values = self.kv_b_proj(context[:, : m.kv_lora_rank]).view(ctx, h, -1).split(
                 [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
             keys = torch.cat((keys_nope, context[:, None, m.kv_lora_rank :].expand(ctx, h, -1)), dim=-1)
@@ -168,7 +168,7 @@ class MLAttention(nn.Module):
                 w_uv: torch.Tensor) -> torch.Tensor:
         """MQA over the cached latents: [B, H, latent] queries, one key of the latent's width, the
         value its first kv_lora_rank values; W_UV turns each head's result into its value."""
-        latents = _gather(kv_cache, group.block_tables)[0, :, :, 0]  # [B, L, latent]
+        latents = gather_blocks(kv_cache, group.block_tables)[0, :, :, 0]  # [B, L, latent]
         # One KV head for all H query heads: two batched matmuls over [B, H, L] scores (an SDPA would
         # expand the latent to every head first). The group's mask hides each row's padding (the
         # engine builds masked groups for a model with its own decode attention).
@@ -226,27 +226,11 @@ class MoE(nn.Module):
         return self.tp.all_reduce(out.to(x.dtype))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mla: MLAConfig, tp: TensorParallel, index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, mla, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        dense = index < mla.first_k_dense_replace
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, False, tp) if dense else MoE(cfg, mla, tp)
-
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, rotate: Rotation, kv_cache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = self.input_layernorm(residual) if delta is None else self.input_layernorm(delta, residual)
-        h = self.self_attn(h, rotate, kv_cache, meta)
-        return self.mlp(self.post_attention_layernorm(h, residual), meta.num_decodes)
-
-
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
-    """The forward pass, logits, dtypes and quantization are the Llama decoder's; the layers differ."""
+class DeepseekV3ForCausalLM(DecoderLM):
+    """The shared decoder (models/decoder.py) over MLA and MoE layers."""
 
     decode_attention = "mla"  # its own: absorbed weights over the latents (not the K/V paged kernel)
-    float32_weights = (*LlamaForCausalLM.float32_weights, "mlp.gate.weight")  # and the router's, as DeepSeek keeps it
+    float32_weights = (*DecoderLM.float32_weights, "mlp.gate.weight")  # and the router's, as DeepSeek keeps it
 
     @classmethod
     def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -260,7 +244,6 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                            model_kv_heads=1)
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
-        nn.Module.__init__(self)
         mla = MLAConfig.from_model_config(cfg)
         tp.check(cfg.num_heads, 1, cfg.intermediate_size)
         moe = mla.n_routed_experts and mla.first_k_dense_replace < cfg.num_layers
@@ -268,12 +251,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"tensor parallel size {tp.size} does not divide the experts' {mla.moe_intermediate_size} rows")
         if moe and (mla.n_routed_experts % mla.n_group or mla.n_routed_experts // mla.n_group < 2):
             raise ValueError(f"{mla.n_routed_experts} experts do not form {mla.n_group} groups of two or more")
-        self.config, self.mla, self.tp = cfg, mla, tp
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, mla, tp, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions, mla.yarn)
-        self.lm_head = OutputHead(cfg.hidden_size, cfg.vocab_size, bias=False)
+        layers = (DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, MLAttention(cfg, mla, tp),
+                               MLP(cfg.hidden_size, cfg.intermediate_size, False, tp)
+                               if i < mla.first_k_dense_replace else MoE(cfg, mla, tp))
+                  for i in range(cfg.num_layers))
+        super().__init__(cfg, tp, layers, RotaryEmbedding(mla.qk_rope_head_dim, cfg.rope_theta, max_positions, mla.yarn))
+        self.mla = mla
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         super().set_compute_dtype(dtype)
@@ -284,11 +267,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """HF names: this rank's heads and MLP rows (TP), gate / up fused, the rotary rows in halves."""
         cfg, mla, tp = self.config, self.mla, self.tp
-        own = {name.removeprefix("model."): t for name, t in weights.items() if "rotary_emb" not in name}
-        if cfg.tie_word_embeddings:
-            own.pop("lm_head.weight", None)
+        own = self.own_names(weights)
         heads = tp.heads(cfg.num_heads)
-        q_rows = _rows(heads, mla.qk_head_dim)
+        q_rows = rows_of(heads, mla.qk_head_dim)
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             q_name = f"{p}self_attn.q_b_proj.weight" if mla.q_lora_rank else f"{p}self_attn.q_proj.weight"
@@ -305,15 +286,15 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             own[q_name] = q.reshape(-1, q.shape[-1])[q_rows]
             own[f"{p}self_attn.kv_a_proj_with_mqa.weight"] = kv_a
             kv_b = own[f"{p}self_attn.kv_b_proj.weight"]
-            own[f"{p}self_attn.kv_b_proj.weight"] = kv_b[_rows(heads, mla.qk_nope_head_dim + mla.v_head_dim)]
-            row_parallel(own, f"{p}self_attn.o_proj", _rows(heads, mla.v_head_dim), tp)
+            own[f"{p}self_attn.kv_b_proj.weight"] = kv_b[rows_of(heads, mla.qk_nope_head_dim + mla.v_head_dim)]
+            row_parallel(own, f"{p}self_attn.o_proj", rows_of(heads, mla.v_head_dim), tp)
             if isinstance(layer.mlp, MoE):
-                experts = _rows(tp.rows(mla.moe_intermediate_size), 1)
+                experts = rows_of(tp.rows(mla.moe_intermediate_size), 1)
                 for e in range(mla.n_routed_experts):
                     load_mlp(own, f"{p}mlp.experts.{e}.", experts, tp)
                 if mla.n_shared_experts:
                     load_mlp(own, f"{p}mlp.shared_experts.",
-                             _rows(tp.rows(mla.moe_intermediate_size * mla.n_shared_experts), 1), tp)
+                             rows_of(tp.rows(mla.moe_intermediate_size * mla.n_shared_experts), 1), tp)
             else:
-                load_mlp(own, f"{p}mlp.", _rows(tp.rows(cfg.intermediate_size), 1), tp)
+                load_mlp(own, f"{p}mlp.", rows_of(tp.rows(cfg.intermediate_size), 1), tp)
         self.load_own_state_dict(own)
