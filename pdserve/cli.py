@@ -236,7 +236,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pdserve.benchmarks.serving import publish_run
+    from pdserve.bench_serving import publish_run
     from pdserve.plan.profile import Profile
     from pdserve.plan.simulator import Setup, simulate
     from pdserve.workload import workload_from_args
@@ -253,7 +253,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pdserve.benchmarks.serving import main as bench_main
+    from pdserve.bench_serving import main as bench_main
 
     return bench_main(args)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from servers import NODE, start_pdserve
 
-from pdserve.benchmarks.random_models import save_random_model
+from pdserve.testing.random_models import save_random_model
 from pdserve.models.locate import default_gguf_path, resolve_model_dir
 from pdserve.models.native import native_ops
 

@@ -1,4 +1,4 @@
-"""`pdserve up --ray` across hosts: two network namespaces on a bridge (pdserve/benchmarks/netns.py),
+"""`pdserve up --ray` across hosts: two network namespaces on a bridge (pdserve/testing/netns.py),
 a Ray head in one and a Ray worker in the other, P on one host and D on the other. PD output equals
 a single node's; a decode node's actor killed mid-traffic: the proxy retries on the other decode
 node, Ray restarts the actor, it comes back into rotation, and every node's blocks return to 0."""
@@ -20,7 +20,7 @@ import httpx
 import pytest
 from servers import MODEL, NODE, free_port, metric, wait_for_metric
 
-from pdserve.benchmarks.netns import Host, Hosts, RayOnHosts, why_not
+from pdserve.testing.netns import Host, Hosts, RayOnHosts, why_not
 from pdserve.kv.transport.shm import on_this_host
 from pdserve.models.locate import cache_root
 

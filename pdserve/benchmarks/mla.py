@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from pdserve import LLM, SamplingParams
-from pdserve.benchmarks.random_models import save_random_model
+from pdserve.testing.random_models import save_random_model
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.tp_transfer import BLOCK, time_transfers
 from pdserve.kv.pool import KVPool

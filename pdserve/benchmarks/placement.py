@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import answer_tokenizer, run_benchmark
+from pdserve.bench_serving import answer_tokenizer, run_benchmark
 from pdserve.benchmarks.study import rate_workload, study_slos
 from pdserve.config import EngineConfig
 from pdserve.plan.profile import ProfilePoints, run_profile

@@ -28,9 +28,9 @@ import time
 
 import httpx
 
-from pdserve.benchmarks.netns import Host, Hosts, RayOnHosts, why_not
+from pdserve.testing.netns import Host, Hosts, RayOnHosts, why_not
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import run_benchmark
+from pdserve.bench_serving import run_benchmark
 from pdserve.workload import random_dataset, summarize
 
 PORT = 8000

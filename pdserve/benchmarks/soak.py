@@ -20,7 +20,7 @@ import httpx
 
 from pdserve.benchmarks.push import metric_sum
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import run_benchmark
+from pdserve.bench_serving import run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procinfo import alive, children, rss_mib
 from pdserve.procs import ProcessGroup, up_child

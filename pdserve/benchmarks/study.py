@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks.report import publish
-from pdserve.benchmarks.serving import run_benchmark
+from pdserve.bench_serving import run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, up_child
 from pdserve.workload import BenchRequest, mixed_dataset, random_dataset, summarize
