@@ -179,7 +179,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         check_node_tp(args)  # a TP size that cannot split the model stops here, before any node starts
     if args.mode == "auto" and not args.profile:
         raise ValueError("--mode auto needs --profile (make one with `pdserve profile --quick --out profile.json`)")
-    args.placement, args.ray_placement = split_placement(args.placement or [], args.ray is not None)
+    args.placement, args.ray_placement = split_placement(args.placement or [], args.ray_placement,
+                                                         args.ray is not None)
     if args.ray is not None:
         if args.ray_cpus <= 0:
             raise ValueError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
@@ -189,14 +190,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
-def split_placement(values: list[str], ray: bool) -> tuple[str, str]:
-    """`pdserve up --placement` values: (auto mode's rule, --ray's actor placement), defaults cost and spread."""
+def split_placement(values: list[str], ray_placement: str | None, ray: bool) -> tuple[str, str]:
+    """(auto mode's rule, --ray's actor placement) from `pdserve up --placement` and
+    `--ray-placement`; defaults cost and spread. `--placement spread|pack` is the older spelling of
+    `--ray-placement` (issue 17's), still taken."""
     rules = [v for v in values if v not in RAY_PLACEMENTS]
-    spread = [v for v in values if v in RAY_PLACEMENTS]
+    spread = [v for v in values if v in RAY_PLACEMENTS] + ([ray_placement] if ray_placement else [])
     if spread and not ray:
-        raise ValueError(f"--placement {spread[0]} places Ray actors: it needs --ray")
-    if len(rules) > 1 or len(spread) > 1:
-        raise ValueError(f"--placement takes one rule and (with --ray) one of spread / pack, got {values}")
+        raise ValueError(f"--ray-placement {spread[0]} places Ray actors: it needs --ray")
+    if len(rules) > 1:
+        raise ValueError(f"--placement takes one rule, got {rules}")
+    if len(set(spread)) > 1:
+        raise ValueError(f"--ray-placement takes one of spread / pack, got {spread}")
     return (rules or ["cost"])[0], (spread or ["spread"])[0]
 
 
@@ -296,10 +301,12 @@ RAY_PLACEMENTS = ("spread", "pack")
 
 
 def add_placement_args(parser: argparse.ArgumentParser, ray: bool = False) -> None:
-    if ray:  # `pdserve up`: the rule, and with --ray where the node actors go; either or both
+    if ray:  # `pdserve up`: the rule, and with --ray where the node actors go
         parser.add_argument("--placement", action="append", choices=[*PLACEMENT_RULES.names(), *RAY_PLACEMENTS],
-                            help=PLACEMENT_HELP + "; with --ray also spread (node actors across Ray nodes, the "
-                                 "default) or pack (onto as few as fit)")
+                            help=PLACEMENT_HELP + " (spread / pack: the older spelling of --ray-placement)")
+        parser.add_argument("--ray-placement", choices=RAY_PLACEMENTS, default=None,
+                            help="with --ray: spread the node actors across Ray nodes (the default) or pack them "
+                                 "onto as few as fit")
     else:
         parser.add_argument("--placement", default="cost", choices=PLACEMENT_RULES.names(), help=PLACEMENT_HELP)
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",

@@ -69,7 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (HF's CTRL rule)
     min_tokens: int = 0  # stop tokens and stop strings do not end the output before this many tokens
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    logprobs: int | None = None  # report each sampled token's logprob and this many most likely (engine/logprobs.py)
+    logprobs: int | None = None  # report each sampled token's logprob and this many most likely (engine/sampler.py: token_logprobs)
     prompt_logprobs: int | None = None  # the same for each prompt token (the prompt is computed in full, no cache)
     structured: StructuredOutputs | None = None  # a constraint the output must match (masks on the logits)
 

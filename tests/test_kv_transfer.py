@@ -14,9 +14,9 @@ from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
-from pdserve.kv.results import TransferInbox
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, Transports
+from pdserve.kv.transport import TRANSPORTS, NodeTransports
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 
@@ -27,7 +27,7 @@ def prefill_side():
     pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
     held = HeldBlocks(timeout_s=60)
     held.hold("req-a", [3, 4, 5, 9])
-    transports = Transports([pool])
+    transports = NodeTransports([pool])
     stats = KVStats()
     sender = KVSender(transports, held, stats, "127.0.0.1", 0, secret=b"right")
     yield pool, held, sender, stats
@@ -38,7 +38,7 @@ def prefill_side():
 
 def pull(sender: KVSender, shm_name, transport: str, secret: bytes, src, dst, request_id="req-a"):
     local = KVPool(SHAPE, torch.bfloat16, "cpu")
-    transports, stats, inbox = Transports([local]), KVStats(), TransferInbox()
+    transports, stats, inbox = NodeTransports([local]), KVStats(), TransferInbox()
     receiver = KVReceiver(transports, stats, inbox, transport, timeout_s=10, secret=secret)
     receiver.start(LoadSpec("d-1", dst, src, request_id, "127.0.0.1", sender.port, shm_name))
     result = inbox.poll(timeout=30)[0]

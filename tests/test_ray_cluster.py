@@ -72,7 +72,7 @@ def cluster(ray_hosts, tmp_path_factory):
     """1P2D, pull, spread over the two hosts."""
     hosts, ray_cluster = ray_hosts
     log = tmp_path_factory.mktemp("ray") / "up.log"
-    with up_on(hosts[0], ray_cluster, log, 8000, "--prefill", "1", "--decode", "2", "--placement", "spread") as (url, _):
+    with up_on(hosts[0], ray_cluster, log, 8000, "--prefill", "1", "--decode", "2", "--ray-placement", "spread") as (url, _):
         yield url, hosts, log
 
 
@@ -156,7 +156,7 @@ def test_push_and_auto_across_hosts_equal_one_node_and_leave_nothing_behind(ray_
     hosts, ray_cluster = ray_hosts
     extra = ["--profile", str(PROFILE)] if mode == "auto" else []
     with up_on(hosts[0], ray_cluster, tmp_path / "up.log", 8001, "--mode", mode, "--prefill", "1", "--decode", "1",
-               "--placement", "spread", *extra) as (url, pid):
+               "--placement", "spread", *extra) as (url, pid):  # issue 17's spelling of --ray-placement
         listed = nodes(url)
         assert len({re.match(r"http://([\d.]+):", n["url"]).group(1) for n in listed}) == 2  # one host each
         assert [complete(url, p) for p in PROMPTS] == [complete(fp32_node.url, p) for p in PROMPTS]
@@ -209,7 +209,7 @@ def test_one_machine_ray_with_a_stale_record_starts_its_own_and_is_gone_after_ct
         recorded = f"{hosts[1].address}:{int(listener.stdout.readline())}"
         os.makedirs(os.path.join(ray_tmp, "ray"))
         Path(ray_tmp, "ray", "ray_current_cluster").write_text(recorded)
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", "auto", "--placement", "pack",
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", "auto", "--ray-placement", "pack",
                            "--port", str(port), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,9 +12,9 @@ from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget
-from pdserve.kv.results import TransferInbox
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, Transports
+from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.models.parallel import kv_heads
 
 LAYERS, BLOCKS, SLOTS, HEAD_DIM = 3, 16, 4, 8
@@ -61,7 +61,7 @@ def pull(p_pools: list[KVPool], d_pools: list[KVPool], held: HeldBlocks, transpo
          d_stats: KVStats):
     """D pulls P's request "p-1" (blocks SRC) into DST over the side channel; the transfer's result."""
     held.hold("p-1", SRC)
-    p_transports, d_transports = Transports(p_pools), Transports(d_pools)
+    p_transports, d_transports = NodeTransports(p_pools), NodeTransports(d_pools)
     sender = KVSender(p_transports, held, p_stats, "127.0.0.1", 0)
     inbox = TransferInbox()
     receiver = KVReceiver(d_transports, d_stats, inbox, transport, timeout_s=10)
@@ -101,7 +101,7 @@ def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads
 def test_a_layerwise_push_fills_every_decode_rank(model, transport, num_kv_heads, tp_p, tp_d):
     model = model[..., :num_kv_heads, :].contiguous()
     p_pools, d_pools = rank_pools(model, num_kv_heads, tp_p), rank_pools(None, num_kv_heads, tp_d)
-    p_transports, d_transports = Transports(p_pools), Transports(d_pools)
+    p_transports, d_transports = NodeTransports(p_pools), NodeTransports(d_pools)
     p_stats, d_stats, inbox = KVStats(), KVStats(), TransferInbox()
     receiver = PushReceiver(d_transports, d_stats, inbox, "127.0.0.1", 0)
     sender = PushSender(p_transports, p_stats, transport, timeout_s=10)

@@ -17,10 +17,10 @@ from helpers import push_in_chunks
 
 from pdserve.kv.pool import KVPool
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
-from pdserve.kv.results import TransferInbox
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import TRANSPORTS, PeerPool, Transports, choose_transport, transport_class
+from pdserve.kv.transport import TRANSPORTS, PeerPool, NodeTransports, choose_transport, transport_class
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 SRC, DST = [3, 4, 5, 9, 10], [20, 7, 8, 0, 1]  # scattered, with a run on both sides
@@ -95,7 +95,7 @@ def test_write_lands_one_layer_in_the_peers_blocks(name, pools, connection):
 @pytest.mark.parametrize("name", ALL)
 def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
     owner, target = pools
-    p_transports, d_transports = Transports([owner]), Transports([target])
+    p_transports, d_transports = NodeTransports([owner]), NodeTransports([target])
     p_stats, d_stats, inbox = KVStats(), KVStats(), TransferInbox()
     receiver = PushReceiver(d_transports, d_stats, inbox, "127.0.0.1", 0)
     sender = PushSender(p_transports, p_stats, name, timeout_s=10)
@@ -119,7 +119,7 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
 @pytest.mark.parametrize("name", ALL)
 def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
     owner, target = pools
-    p_transports, d_transports = Transports([owner]), Transports([target])
+    p_transports, d_transports = NodeTransports([owner]), NodeTransports([target])
     receiver = PushReceiver(d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
     sender = PushSender(p_transports, KVStats(), name, timeout_s=10)
     try:

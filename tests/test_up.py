@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from servers import free_port
 
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
@@ -130,4 +131,17 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == (
         "pdserve: error: --decode-tp 2: tensor parallel size 2 does not divide the model's 9 attention heads")
+    assert "starting" not in run.stdout
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--ray-placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),
+    (["--placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),  # issue 17's spelling
+    (["--placement", "cost", "--placement", "threshold"], "--placement takes one rule, got ['cost', 'threshold']"),
+])
+def test_placement_flags_that_cannot_hold_stop_up_before_any_node_starts(flags, error):
+    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == f"pdserve: error: {error}"
     assert "starting" not in run.stdout

@@ -39,7 +39,7 @@ NODE = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.
 
 def start_up(head: Host, ray_cluster: RayOnHosts, prefill: int, decode: int, log: str) -> subprocess.Popen:
     return head.popen([sys.executable, "-m", "pdserve.cli", "up", "--ray", ray_cluster.address, "--prefill",
-                       str(prefill), "--decode", str(decode), "--placement", "spread", "--host", head.address,
+                       str(prefill), "--decode", str(decode), "--ray-placement", "spread", "--host", head.address,
                        "--port", str(PORT), *NODE], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ray_cluster.env)
 
 
@@ -130,7 +130,7 @@ def main() -> None:
     lines = [f"Command: `python -m pdserve.benchmarks.ray_hosts` ({res['date']}; as root; this machine, "
              f"{res['cpus']} CPUs, shared by both namespaces; SmolLM2-135M float32). Two network namespaces on a "
              "bridge, a Ray head in one and a Ray worker in the other (4 logical CPUs each); `pdserve up --ray "
-             "--placement spread` puts P on one host and D on the other.", "",
+             "--ray-placement spread` puts P on one host and D on the other.", "",
              f"- 1P1D healthy after the Ray cluster is up: median {statistics.median(startups):.1f} s "
              f"(runs: {', '.join(f'{s:.1f}' for s in startups)}; target <= 20 s).",
              f"- KV transfer between the namespaces, tcp ({t['bytes'] / 2**20:.0f} MiB, best of {args.repeats}): "

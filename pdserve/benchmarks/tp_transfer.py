@@ -26,9 +26,9 @@ from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
-from pdserve.kv.results import TransferInbox
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, Transports
+from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.models.parallel import kv_heads
 
 LAYERS, HEAD_DIM, BLOCK = 30, 64, 16
@@ -41,7 +41,7 @@ def rank_pools(num_kv_heads: int, tp: int, num_blocks: int, dtype: torch.dtype) 
                    shared=True, model_kv_heads=num_kv_heads) for r in range(tp)]
 
 
-def time_pull(p: Transports, d: Transports, transport: str, blocks: list[int], repeats: int) -> list[float]:
+def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int) -> list[float]:
     held, inbox = HeldBlocks(timeout_s=600), TransferInbox()
     sender = KVSender(p, held, KVStats(), "127.0.0.1", 0)
     receiver = KVReceiver(d, KVStats(), inbox, transport, timeout_s=60)
@@ -61,7 +61,7 @@ def time_pull(p: Transports, d: Transports, transport: str, blocks: list[int], r
     return seconds[1:]
 
 
-def time_push(p: Transports, d: Transports, transport: str, blocks: list[int], repeats: int) -> list[float]:
+def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int) -> list[float]:
     inbox = TransferInbox()
     receiver = PushReceiver(d, KVStats(), inbox, "127.0.0.1", 0)
     sender = PushSender(p, KVStats(), transport, timeout_s=60)
@@ -95,7 +95,7 @@ def time_transfers(p_pools: list[KVPool], d_pools: list[KVPool], repeats: int) -
     blocks = list(range(p_pools[0].num_blocks))
     for pool in p_pools:
         pool.tensor.normal_()
-    p, d = Transports(p_pools), Transports(d_pools)
+    p, d = NodeTransports(p_pools), NodeTransports(d_pools)
     out: dict = {"mib": sum(pool.nbytes(blocks) for pool in d_pools) / 2**20, "pieces": len(d.pieces(len(p_pools), False))}
     try:
         for transport in TRANSPORTS:

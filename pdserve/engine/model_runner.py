@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.logits import apply_logit_controls
-from pdserve.engine.logprobs import token_logprobs
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.engine.tp_workers import TPWorkers
 from pdserve.kv.pool import KVPool

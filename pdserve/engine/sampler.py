@@ -1,4 +1,4 @@
-"""Turn the last-position logits of a batch into next tokens.
+"""Turn the last-position logits of a batch into next tokens, and report their logprobs.
 
 Greedy rows take the argmax. Other rows are scaled by temperature and filtered by top-k / top-p
 in one batched pass; each then draws from its own generator, so a seeded request gets the same
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.messages import TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
 
@@ -42,3 +43,22 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Log probabilities as OpenAI and vLLM report them: the model's own distribution (vLLM's
+    default, raw logprobs), log-softmax of the logits before temperature, top-k/top-p and the logit
+    controls, so a request's logprobs do not depend on how it was sampled.
+
+    Row i: the logprob of tokens[i] and the ks[i] most likely tokens, from raw logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    k_max = max(ks)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    out = []
+    for i, (token, k) in enumerate(zip(tokens, ks)):
+        top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else ()
+        out.append(TokenLogprob(token, chosen[i], top, ranks[i]))
+    return out

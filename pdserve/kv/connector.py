@@ -29,9 +29,9 @@ from pdserve.kv.params import KVTransferParams, wants_remote_decode, wants_remot
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
-from pdserve.kv.results import TransferInbox, TransferResult
+from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import Transports
+from pdserve.kv.transport import NodeTransports
 from pdserve.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class KVConnectorWorker:
         self.held = held
         self.stats = stats
         self.inbox = TransferInbox()  # D: loads and pushes that ended
-        self.transports: Transports | None = None
+        self.transports: NodeTransports | None = None
         self.sender: KVSender | None = None
         self.pusher: PushSender | None = None
         self.receiver: KVReceiver | None = None
@@ -249,7 +249,7 @@ class KVConnectorWorker:
         address and TP size, for the peer's kv_transfer_params."""
         kv = self.config
         secret = resolve_secret(kv.secret)
-        self.transports = Transports(pools)
+        self.transports = NodeTransports(pools)
         if kv.is_producer:
             self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret)
             self.pusher = PushSender(self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
-from pdserve.kv.results import TransferInbox, TransferResult
+from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import PeerPool, Transport, Transports, choose_transport
+from pdserve.kv.transport import PeerPool, Transport, NodeTransports, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class KVSender:
     """P's side channel server."""
 
-    def __init__(self, transports: Transports, held: HeldBlocks, stats: KVStats, host: str, port: int,
+    def __init__(self, transports: NodeTransports, held: HeldBlocks, stats: KVStats, host: str, port: int,
                  secret: bytes = b"") -> None:
         self.transports, self.held, self.stats = transports, held, stats
         self.channel = SideChannelServer(host, port, "kv-sender", (PullRequest, PullDone), self._serve, secret)
@@ -84,7 +84,7 @@ class LoadSpec:
 class KVReceiver:
     """D's loader."""
 
-    def __init__(self, transports: Transports, stats: KVStats, inbox: TransferInbox, transport: str,
+    def __init__(self, transports: NodeTransports, stats: KVStats, inbox: TransferInbox, transport: str,
                  timeout_s: float, secret: bytes = b"", max_workers: int = 4) -> None:
         self.transports, self.stats, self.inbox = transports, stats, inbox
         self.transport = transport  # auto or a registered name

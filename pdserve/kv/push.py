@@ -37,10 +37,10 @@ from pdserve.kv.protocol import (
     recv_msg,
     send_msg,
 )
-from pdserve.kv.results import TransferInbox, TransferResult
+from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import PeerPool, Transport, Transports, choose_transport
+from pdserve.kv.transport import PeerPool, Transport, NodeTransports, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class _Session:
 class PushSender:
     """P's pusher. Sessions are opened and ended on the engine thread."""
 
-    def __init__(self, transports: Transports, stats: KVStats, transport: str, timeout_s: float,
+    def __init__(self, transports: NodeTransports, stats: KVStats, transport: str, timeout_s: float,
                  secret: bytes = b"") -> None:
         self.transports, self.stats = transports, stats
         self.transport = transport  # auto or a registered name
@@ -239,7 +239,7 @@ class _Expected:
 class PushReceiver:
     """D's side channel for pushes."""
 
-    def __init__(self, transports: Transports, stats: KVStats, inbox: TransferInbox, host: str,
+    def __init__(self, transports: NodeTransports, stats: KVStats, inbox: TransferInbox, host: str,
                  port: int, drain_timeout_s: float = 30.0, secret: bytes = b"") -> None:
         self.transports, self.stats, self.inbox = transports, stats, inbox
         self.pool = transports.pool

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.api.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
+from pdserve.api.histogram_buckets import LATENCY_BUCKETS, REQUEST_BUCKETS
 from pdserve.engine.messages import EngineInfo, EngineStats, RequestOutput
 
 

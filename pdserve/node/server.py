@@ -30,7 +30,7 @@ from pdserve.engine.client import EngineClient, EngineDeadError
 from pdserve.engine.messages import RequestOutput
 from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.kv.params import wants_remote_prefill
-from pdserve.node.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from pdserve.node.openai_logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from pdserve.node.metrics import NodeMetrics
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 

@@ -22,9 +22,9 @@ import torch
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
-from pdserve.kv.results import TransferInbox
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, Transports
+from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.procinfo import rss_mib
 from pdserve.procs import Child, ProcessGroup
 from pdserve.workload import random_prompts
@@ -64,7 +64,7 @@ def serve_blocks(mib: int, repeats: int, host: str) -> None:
         for layout, ids in layouts.items():
             for i in range(repeats):
                 held.hold(f"{t}-{layout}-{i}", ids)
-    transports = Transports([pool])
+    transports = NodeTransports([pool])
     sender = KVSender(transports, held, KVStats(), host, 0)
     print(sender.port, pool.shm_name, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
@@ -84,7 +84,7 @@ def bench_backends(mib: int, repeats: int, names: tuple[str, ...] = tuple(TRANSP
                             stdout=subprocess.PIPE, text=True)
     port, shm_name = proc.stdout.readline().split()
     local = KVPool(pool_shape(total), DTYPE, "cpu")
-    transports, inbox = Transports([local]), TransferInbox()
+    transports, inbox = NodeTransports([local]), TransferInbox()
     receiver = KVReceiver(transports, KVStats(), inbox, "auto", timeout_s=60)
     n = len(layouts["contiguous"])
     nbytes = n * LAYERS * 2 * local.block_bytes

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.api.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
+from pdserve.api.histogram_buckets import LATENCY_BUCKETS, REQUEST_BUCKETS
 
 if TYPE_CHECKING:
     from pdserve.proxy.policies import Node

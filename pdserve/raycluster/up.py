@@ -7,7 +7,7 @@ proxy on this one.
   within GCS_ANSWER_S; a record that fails either is stale (a cluster long gone, or one inside a
   network namespace since deleted): it is said so, never connected to, and a cluster starts here.
 - Place: one placement group with a bundle per node (`--ray-cpus` CPUs each), spread across the
-  Ray nodes or packed onto as few as fit (`--placement spread|pack`).
+  Ray nodes or packed onto as few as fit (`--ray-placement spread|pack`).
 - Start: a `NodeActor` per node (actor.py), each restarted by Ray up to `--ray-max-restarts` times.
 - Membership: the proxy (a child process here) reads a nodes file that this launcher rewrites
   from Ray's view every second: an actor that does not answer is taken out; once Ray has

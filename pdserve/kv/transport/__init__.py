@@ -1,4 +1,4 @@
-"""Transports by name. A new transport is one module with a `Transport` subclass plus one line
+"""NodeTransports by name. A new transport is one module with a `Transport` subclass plus one line
 here; `tests/test_transports.py` runs the conformance suite against every entry.
 
 Order matters: `auto` takes the first transport that reaches the peer (shm on the same host,
@@ -23,11 +23,11 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
 })
 AUTO = "auto"
 
-__all__ = ["AUTO", "TRANSPORTS", "PeerPool", "Transport", "Transports", "choose_transport",
+__all__ = ["AUTO", "TRANSPORTS", "PeerPool", "Transport", "NodeTransports", "choose_transport",
            "transport_class", "uses_shared_pool"]
 
 
-class Transports(dict[str, Transport]):
+class NodeTransports(dict[str, Transport]):
     """A node's transports by name, over its pools, one per TP rank (a passive side serves whichever
     a peer names)."""
 

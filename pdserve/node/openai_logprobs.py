@@ -1,4 +1,4 @@
-"""The engine's per-token logprobs (engine/logprobs.py) in OpenAI's two formats:
+"""The engine's per-token logprobs (engine/sampler.py: token_logprobs) in OpenAI's two formats:
 completions' legacy one (tokens, token_logprobs, top_logprobs, text_offset) and chat's
 (content: token, logprob, bytes, top_logprobs)."""
 
