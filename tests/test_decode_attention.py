@@ -73,3 +73,46 @@ def test_engine_decodes_on_the_kernel_and_equals_the_portable_path(ops, smollm_d
     assert portable.engine.labels()["attention"] == "sdpa"
     got = portable.generate([prompt, prompt[:90]], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def windowed_reference(q, kv_cache, tables, lens, scale, window):
+    """float64: each row attends to the last `window` positions of its context, from its table."""
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        kv = kv_cache[:, tables[i]].flatten(1, 2).double()  # [2, L, KVH, D]
+        keys, values = kv[0, max(0, n - window) : n], kv[1, max(0, n - window) : n]
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [W, H, D]
+        probs = (torch.einsum("hd,whd->hw", q[i].double(), keys) * scale).softmax(-1)
+        out.append(torch.einsum("hw,whd->hd", probs, values))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp", "sdpa"])
+@pytest.mark.parametrize("window", [1, 16, 40])
+def test_a_sliding_window_reads_only_its_last_positions(ops, kernel, window):
+    """Kernel and portable path alike: the last `window` positions of each context and nothing
+    before them; blocks wholly before the window are never read (they hold NaN here)."""
+    torch.manual_seed(window)
+    heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 16, 64
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    kv_cache[:, 0] = float("nan")  # block 0: what a dropped block's table entry points at
+    lens = torch.tensor([1, window, window + 1, 5 * block_size + 3])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks - 1)[:width] + 1 for _ in lens])
+    for i, n in enumerate(lens.tolist()):
+        tables[i, : max(0, n - window) // block_size] = 0  # wholly before the window
+    q = torch.randn(len(lens), heads, head_dim)
+    scale = head_dim**-0.5
+    expected = windowed_reference(q, kv_cache, tables, lens, scale, window)
+    if kernel:
+        out = torch.full_like(q, float("nan"))
+        ops.paged_decode_attention(q, kv_cache, tables, lens, out, scale, 2, window)
+    else:
+        visible = torch.arange(width * block_size) < lens.unsqueeze(1)
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        group = DecodeGroup(0, len(lens), tables, mask[:, None, None, :], lens)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_groups=[group])
+        empty = torch.empty(0, kv_heads, head_dim)
+        out = paged_attention(q, empty, empty, kv_cache.nan_to_num(0.0), meta, scale, window)  # SDPA reads it all
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

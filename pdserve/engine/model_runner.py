@@ -146,7 +146,7 @@ class ModelRunner:
         # Additive mask (0 / -inf) over the padded context, built once for all layers.
         visible = torch.arange(width * bs, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)
         mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-        return DecodeGroup(start, end, padded, mask[:, None, None, :])
+        return DecodeGroup(start, end, padded, mask[:, None, None, :], torch.tensor(lens, device=dev))
 
 
 def is_decode(s: ScheduledRequest) -> bool:

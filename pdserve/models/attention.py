@@ -6,7 +6,8 @@ values are scattered into their slots with one `index_copy_`. Decodes are attend
 kernel, which reads the blocks where they lie (models/csrc, `decode_kernel`), or, on the portable
 path, in batched SDPAs over block-table gathers, one per group of similar context lengths (so that a
 few long contexts do not pad every short one to their length). Prefill chunks (few, long) get one
-SDPA each. In batch-invariant mode every row attends alone (RowsAlone).
+SDPA each. In batch-invariant mode every row attends alone (RowsAlone). A sliding-window layer
+(`window` > 0) attends to the last `window` positions of each query's context only.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [n, max_blocks] int64
     mask: torch.Tensor | None = None  # SDPA: additive 0 / -inf, [n, 1, 1, max_blocks * block_size]
-    context_lens: torch.Tensor | None = None  # the C++ kernel: [n] int64
+    context_lens: torch.Tensor | None = None  # [n] int64 (the C++ kernel's input; SDPA's window mask)
     partition_blocks: int = 0  # the C++ kernel: context blocks per work unit
 
 
@@ -53,8 +54,8 @@ class RowsAlone:
     sequences: list[tuple[int, int]]  # [start, end) rows of one sequence (the portable path gathers it once)
 
 
-# (query, kv_cache, block_tables, context_lens, out, scale, partition_blocks) -> None, writing out.
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], None]
+# (query, kv_cache, block_tables, context_lens, out, scale, partition_blocks, window) -> None, writing out.
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, int], None]
 
 
 @dataclass
@@ -84,6 +85,7 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,  # > 0: a sliding-window layer, each query sees its last `window` positions
 ) -> torch.Tensor:
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -92,32 +94,41 @@ def paged_attention(
 
     out = torch.empty_like(q)
     if meta.rows_alone is not None:
-        _attend_rows_alone(q, kv_cache, meta.rows_alone, meta.decode_kernel, scale, out)
+        _attend_rows_alone(q, kv_cache, meta.rows_alone, meta.decode_kernel, scale, out, window)
         return out
     for group in meta.decode_groups:
         if meta.decode_kernel is not None:
             meta.decode_kernel(q[group.start : group.end], kv_cache, group.block_tables, group.context_lens,
-                               out[group.start : group.end], scale, group.partition_blocks)
+                               out[group.start : group.end], scale, group.partition_blocks, window)
             continue
         keys, values = gather_blocks(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
         query = q[group.start : group.end].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        mask = group.mask
+        if window:  # positions before each row's window hidden too
+            before = torch.arange(keys.shape[2], device=q.device) < (group.context_lens - window).unsqueeze(1)
+            mask = mask.masked_fill(before[:, None, None, :], float("-inf"))
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[group.start : group.end] = o.squeeze(2)
     # Prefill chunks use 4-D [1, H, n, D] inputs: SDPA's fused CPU kernel only takes 4-D, and the
     # 3-D fallback is about 8x slower on long prompts.
     for chunk in meta.prefills:
         query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        n, ctx = chunk.end - chunk.start, chunk.context_len
         if chunk.block_table is None:
             keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        else:
+            keys, values = gather_blocks(kv_cache, chunk.block_table)[:, :ctx].transpose(1, 2).unsqueeze(1)
+        if chunk.block_table is None and not window:
             o = F.scaled_dot_product_attention(
                 query, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            n, ctx = chunk.end - chunk.start, chunk.context_len
-            keys, values = gather_blocks(kv_cache, chunk.block_table)[:, :ctx].transpose(1, 2).unsqueeze(1)
-            # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal).
+            # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal),
+            # and with a window, none `window` or more positions back.
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+            if window:
+                mask = mask.triu(ctx - n - window + 1)
             o = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -126,17 +137,18 @@ def paged_attention(
 
 
 def _attend_rows_alone(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowsAlone, kernel: DecodeKernel | None,
-                       scale: float, out: torch.Tensor) -> None:
+                       scale: float, out: torch.Tensor, window: int = 0) -> None:
     """Each query row over its own context: one C++ kernel call (its work units are per row), or on
     the portable path one SDPA per row whose shape is fixed by that row's context length alone."""
     if kernel is not None:
-        kernel(q, kv_cache, rows.block_tables, rows.context_lens, out, scale, rows.partition_blocks)
+        kernel(q, kv_cache, rows.block_tables, rows.context_lens, out, scale, rows.partition_blocks, window)
         return
     lens, block_size = rows.context_lens.tolist(), kv_cache.shape[2]
     for start, end in rows.sequences:
         table = rows.block_tables[start, : -(-lens[end - 1] // block_size)]
         keys, values = gather_blocks(kv_cache, table).transpose(1, 2).unsqueeze(1)  # [2, 1, KVH, L, D]
         for i in range(start, end):
-            o = F.scaled_dot_product_attention(q[i, None, :, None], keys[..., : lens[i], :], values[..., : lens[i], :],
-                                               scale=scale, enable_gqa=True)  # [1, H, 1, D]
+            first = max(0, lens[i] - window) if window else 0
+            o = F.scaled_dot_product_attention(q[i, None, :, None], keys[..., first : lens[i], :],
+                                               values[..., first : lens[i], :], scale=scale, enable_gqa=True)  # [1, H, 1, D]
             out[i] = o[0, :, 0]

@@ -19,7 +19,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, DecodeKernel
 from pdserve.models.contract import LayerHook
-from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding
+from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding, Rotation
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import INT8_GROUP, can_quantize
 
@@ -56,10 +56,10 @@ class DecoderLM(nn.Module):
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
         residual = self.embed(input_ids)
-        rotate = self.rope.rotation(positions, self.compute_dtype)
+        rotations = self.rotations(positions)
         delta = None
         for i, layer in enumerate(self.layers):
-            delta = layer(residual, delta, rotate, kv_caches[i], meta)
+            delta = layer(residual, delta, rotations[i], kv_caches[i], meta)
             if after_layer is not None:
                 after_layer(i)
         return self.norm(delta, residual)
@@ -67,6 +67,10 @@ class DecoderLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: the tokens' embeddings, float32."""
         return self.embed_tokens(input_ids).float()
+
+    def rotations(self, positions: torch.Tensor) -> list[Rotation]:
+        """Each layer's rotation of this step's positions (built once per step); one RoPE for all here."""
+        return [self.rope.rotation(positions, self.compute_dtype)] * len(self.layers)
 
     def reset_buffers(self, device: torch.device | str) -> None:
         self.rope.reset_tables(device)

@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # where transformers' model_type is not the GGUF architecture
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -33,16 +35,21 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms the attention's and the MLP's outputs too; its ffn_norm is the pre-MLP norm.
+_GEMMA3_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                         "post_attention_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    layer_tensors = _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match:
         layer, part, kind = match.groups()
-        if part not in _LAYER_TENSORS:
+        if part not in layer_tensors:
             raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+        return f"model.layers.{layer}.{layer_tensors[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in _GLOBAL_TENSORS:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
@@ -69,9 +76,9 @@ def read_hf_config(reader) -> dict:
     hidden = _field(reader, f"{arch}.embedding_length")
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
+    config = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": HF_MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
@@ -90,6 +97,31 @@ def read_hf_config(reader) -> dict:
         # What `--quantization auto` follows: the type most matrices were stored in.
         "gguf_weight_type": main_weight_type(reader),
     }
+    if arch == "gemma3":
+        config.update(gemma3_config(reader, config))
+    return config
+
+
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global; llama.cpp's gemma3 fixes it too (no GGUF key)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # the sliding layers' RoPE base (llama.cpp: rope_freq_base_train_swa)
+
+
+def gemma3_config(reader, config: dict) -> dict:
+    """Gemma 3's fields beyond a Llama's, as transformers' Gemma3TextConfig names them."""
+    layers = config["num_hidden_layers"]
+    return {
+        "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
+        "layer_types": ["full_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}},
+        "query_pre_attn_scalar": config["head_dim"],  # llama.cpp scales by 1/sqrt(head_dim) for every size but 27B
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
 
 
 def main_weight_type(reader) -> str:
@@ -101,7 +133,9 @@ def main_weight_type(reader) -> str:
 def read_weights(reader, config: dict) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
-    permute = config["model_type"] == "llama"  # llama.cpp permutes Q/K only for this architecture
+    arch = config["model_type"]
+    permute = arch == "llama"  # llama.cpp permutes Q/K only for this architecture
+    gemma = arch == "gemma3_text"
     weights = {}
     for tensor in tqdm(reader.tensors, desc="Converting GGUF weights", unit="tensor"):
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
@@ -109,16 +143,22 @@ def read_weights(reader, config: dict) -> dict[str, torch.Tensor]:
             array = unpermute_rope_rows(array, config["num_attention_heads"])
         elif permute and re.search(r"\.attn_k\.", tensor.name):
             array = unpermute_rope_rows(array, config["num_key_value_heads"])
-        weights[hf_tensor_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
+        elif gemma and tensor.name.endswith("norm.weight"):
+            array = array - np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w; HF keeps w
+        weights[hf_tensor_name(tensor.name, "gemma3" if gemma else "llama")] = torch.from_numpy(np.ascontiguousarray(array))
     return weights
 
 
-def build_tokenizer(reader):
-    """A byte-level BPE tokenizer from the GGUF vocabulary, as transformers builds it from GGUF."""
+def build_tokenizer(reader, gguf_path: str | Path):
+    """The GGUF's tokenizer: byte-level BPE (gpt2) built here, as transformers builds it from GGUF;
+    another kind (Gemma's sentencepiece) by transformers' own GGUF tokenizer conversion."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if _field(reader, "tokenizer.ggml.model") != "gpt2":
-        raise ValueError("only byte-level BPE (tokenizer.ggml.model = gpt2) GGUF tokenizers are supported")
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(gguf_path))
+        return convert_gguf_tokenizer(architecture, tokenizer_dict)[0]
     tokens = _field(reader, "tokenizer.ggml.tokens")
     token_types = _field(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges")]
@@ -148,7 +188,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(read_weights(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    build_tokenizer(reader).save(str(tmp / "tokenizer.json"))
+    build_tokenizer(reader, gguf_path).save(str(tmp / "tokenizer.json"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     tokenizer_config = {
         "chat_template": _field(reader, "tokenizer.chat_template"),

@@ -1,5 +1,6 @@
 """The layers decoder families share: projections that decode on quantized or pre-packed weights,
-float32 RMSNorm, rotary embeddings (YaRN too), the SiLU-gated MLP, the pre-norm decoder block, and
+float32 RMSNorm, rotary embeddings (YaRN too), the fused-QKV attention (sliding windows too), the
+gated MLP (SiLU, GeGLU), the pre-norm decoder block, and
 the helpers that slice HF weights for a tensor-parallel rank.
 
 For the decode cost of a small model on a CPU (mostly kernel launches), Q, K, V are one fused
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.models.attention import AttentionMetadata
+from pdserve.models.attention import AttentionMetadata, paged_attention
 from pdserve.models.batch_invariant import in_fixed_blocks
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import (
@@ -238,13 +239,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class QKVAttention(nn.Module):
+    """Attention through one fused Q/K/V projection over the K/V paged attention (models/attention.py):
+    Llama's and its relatives', Gemma's. `qk_norm`: an RMSNorm per head on q and k before RoPE;
+    `scale`: the softmax scale (1 / sqrt(head_dim) unless given); `window` > 0: a sliding-window
+    layer, each query attending to its last `window` positions."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: bool = False, scale: float | None = None, window: int = 0) -> None:
+        super().__init__()
+        self.tp, self.window = tp, window  # this rank's heads only; o_proj's partial sums are all-reduced
+        self.num_heads, self.num_kv_heads = len(tp.heads(cfg.num_heads)), len(tp.kv_heads(cfg.num_kv_heads))
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.scale = scale if scale is not None else cfg.head_dim**-0.5
+
+    def forward(self, x, rotate: Rotation, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x, meta.num_decodes)
+        num_tokens, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = rotate(qk)  # q and k heads rotated in one pass
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        return self.tp.all_reduce(self.o_proj(out.flatten(1), meta.num_decodes))
+
+
 class MLP(nn.Module):
-    """SiLU-gated MLP (a MoE's experts are these too)."""
+    """Gated MLP: SiLU (a MoE's experts are these too) or, `activation="gelu_tanh"`, GeGLU (Gemma's)."""
 
     native: ModuleType | None = None  # pdserve's C++ kernels (models/native.py), where built
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MLP activation must be silu or gelu_tanh, got {activation!r}")
+        self.activation = activation
         self.tp = tp  # this rank's slice of the intermediate size; down_proj's partial sums are all-reduced
         rows = len(tp.rows(intermediate_size))
         self.gate_up_proj = Linear(hidden_size, 2 * rows, bias=bias)
@@ -253,7 +291,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, decode_rows: int = 0, reduce: bool = True) -> torch.Tensor:
         """`reduce`: all-reduce the ranks' partial sums now (a MoE sums its experts' first, once)."""
         gate_up = self.gate_up_proj(x, decode_rows)
-        if self.native is not None:
+        if self.activation == "gelu_tanh":  # no C++ kernel: torch's GELU (tanh approximation)
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.gelu(gate, approximate="tanh") * up, decode_rows)
+        elif self.native is not None:
             out = self.down_proj(self.native.silu_and_mul(gate_up), decode_rows)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -283,6 +324,21 @@ class DecoderLayer(nn.Module):
 def rows_of(part: range, size: int) -> slice:
     """The rows of `part` (heads of `size` rows each) in a weight split along its first dimension."""
     return slice(part.start * size, part.stop * size)
+
+
+def load_fused_qkv_layers(own: dict[str, torch.Tensor], cfg: ModelConfig, tp: TensorParallel) -> None:
+    """The layers of a fused-QKV family (Llama's, Gemma's) from HF names: q/k/v into `qkv_proj` and
+    gate/up into `gate_up_proj` (this rank's heads and rows), o_proj and down_proj row-parallel."""
+    q, kv = rows_of(tp.heads(cfg.num_heads), cfg.head_dim), rows_of(tp.kv_heads(cfg.num_kv_heads), cfg.head_dim)
+    mlp = rows_of(tp.rows(cfg.intermediate_size), 1)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for suffix in ("weight", "bias"):
+            parts = [own.pop(f"{p}self_attn.{n}_proj.{suffix}", None) for n in "qkv"]
+            if parts[0] is not None:  # column-parallel: this rank's heads
+                own[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat((parts[0][q], parts[1][kv], parts[2][kv]))
+        load_mlp(own, f"{p}mlp.", mlp, tp)
+        row_parallel(own, f"{p}self_attn.o_proj", q, tp)
 
 
 def load_mlp(own: dict[str, torch.Tensor], prefix: str, rows: slice, tp: TensorParallel) -> None:

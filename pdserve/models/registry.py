@@ -16,6 +16,7 @@ MODELS: Registry[CausalLM] = Registry("model_type", {
     "qwen2": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k/v bias
     "qwen3": "pdserve.models.llama:LlamaForCausalLM",  # the same decoder, q/k norm
     "deepseek_v3": "pdserve.models.deepseek:DeepseekV3ForCausalLM",  # MLA, MoE
+    "gemma3_text": "pdserve.models.gemma3:Gemma3ForCausalLM",  # sliding-window and global layers
 })
 
 

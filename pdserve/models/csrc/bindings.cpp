@@ -3,7 +3,8 @@
 #include <torch/extension.h>
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks);
+                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
+                            int64_t window);
 void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                   at::Tensor& out, double eps);
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
@@ -11,7 +12,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("out"),
+        py::arg("scale"), py::arg("partition_blocks"), py::arg("window") = 0);
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of residual into out");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

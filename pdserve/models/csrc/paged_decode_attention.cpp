@@ -57,8 +57,8 @@ inline void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int
 template <typename scalar_t, int64_t HEAD_DIM>
 void attend_partition(const float* q,  // [group, head_dim], already scaled
                       const scalar_t* k_cache, const scalar_t* v_cache,  // [num_blocks, block_size, kv_heads, head_dim]
-                      const int64_t* blocks, int64_t first_block, int64_t last_block, int64_t context_len,
-                      int64_t block_size, int64_t kv_heads, int64_t kv_head, int64_t head_dim, int64_t group,
+                      const int64_t* blocks, int64_t first_block, int64_t last_block, int64_t start,
+                      int64_t context_len, int64_t block_size, int64_t kv_heads, int64_t kv_head, int64_t head_dim, int64_t group,
                       Partial out) {
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t row_stride = kv_heads * dim;
@@ -73,6 +73,7 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t rows = std::min(block_size, context_len - b * block_size);
     if (rows <= 0) break;
+    const int64_t r0 = std::max<int64_t>(0, start - b * block_size);  // rows before the window: skipped
     const scalar_t* k_block = k_cache + blocks[b] * block_stride + kv_head * dim;
     const scalar_t* v_block = v_cache + blocks[b] * block_stride + kv_head * dim;
     if (b + kPrefetchBlocks < last_block) {
@@ -80,7 +81,7 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
                      row_stride, dim);
     }
     // Scores of the block's rows for every query head of the group (each K row read once).
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r0; r < rows; ++r) {
       const scalar_t* k = k_block + r * row_stride;
       for (int64_t d = 0; d < dim; ++d) row[d] = to_float(k[d]);
       for (int64_t g = 0; g < group; ++g) {
@@ -95,7 +96,7 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
     for (int64_t g = 0; g < group; ++g) {
       float block_max = out.max[g];
 #pragma omp simd reduction(max : block_max)
-      for (int64_t r = 0; r < rows; ++r) block_max = scores[g][r] > block_max ? scores[g][r] : block_max;
+      for (int64_t r = r0; r < rows; ++r) block_max = scores[g][r] > block_max ? scores[g][r] : block_max;
       const float new_max = block_max;
       const float correction = std::exp(out.max[g] - new_max);  // 0 on the first block (max = -inf)
       out.max[g] = new_max;
@@ -104,14 +105,14 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
       float* probs = scores[g];
       float block_sum = 0.f;
 #pragma omp simd reduction(+ : block_sum)
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = r0; r < rows; ++r) {
         probs[r] = exp_nonpositive(probs[r] - new_max);
         block_sum += probs[r];
       }
       out.sum[g] = out.sum[g] * correction + block_sum;
     }
     // Weighted V rows (each V row read and converted once for the whole group).
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r0; r < rows; ++r) {
       const scalar_t* v = v_block + r * row_stride;
       for (int64_t d = 0; d < dim; ++d) row[d] = to_float(v[d]);
       for (int64_t g = 0; g < group; ++g) {
@@ -126,7 +127,8 @@ void attend_partition(const float* q,  // [group, head_dim], already scaled
 
 template <typename scalar_t>
 void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks) {
+                      const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
+                      int64_t window) {
   const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
@@ -151,10 +153,13 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
   at::parallel_for(0, seqs * kv_heads * partitions, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t p = unit % partitions, h = (unit / partitions) % kv_heads, s = unit / (partitions * kv_heads);
-      const int64_t first = p * partition_blocks;
-      const int64_t last = std::min(first + partition_blocks, (lens[s] + block_size - 1) / block_size);
+      // A sliding-window layer attends to the last `window` positions only: the blocks before hold
+      // nothing it reads (they may be freed already).
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+      const int64_t first = std::max(p * partition_blocks, start / block_size);
+      const int64_t last = std::min((p + 1) * partition_blocks, (lens[s] + block_size - 1) / block_size);
       Partial part = partial(s, h, p);
-      if (first >= last) {  // this sequence is shorter than the partition: nothing to add
+      if (first >= last) {  // nothing of this sequence in the partition (too short, or before the window)
         for (int64_t g = 0; g < group; ++g) part.max[g] = -std::numeric_limits<float>::infinity(), part.sum[g] = 0.f;
         std::fill(part.acc, part.acc + group * head_dim, 0.f);
         continue;
@@ -162,13 +167,13 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
       const float* q_group = q_data + (s * heads + h * group) * head_dim;
       const int64_t* table = tables + s * max_blocks;
       if (head_dim == 64) {
-        attend_partition<scalar_t, 64>(q_group, k_cache, v_cache, table, first, last, lens[s], block_size, kv_heads,
+        attend_partition<scalar_t, 64>(q_group, k_cache, v_cache, table, first, last, start, lens[s], block_size, kv_heads,
                                        h, head_dim, group, part);
       } else if (head_dim == 128) {
-        attend_partition<scalar_t, 128>(q_group, k_cache, v_cache, table, first, last, lens[s], block_size, kv_heads,
+        attend_partition<scalar_t, 128>(q_group, k_cache, v_cache, table, first, last, start, lens[s], block_size, kv_heads,
                                         h, head_dim, group, part);
       } else {
-        attend_partition<scalar_t, 0>(q_group, k_cache, v_cache, table, first, last, lens[s], block_size, kv_heads,
+        attend_partition<scalar_t, 0>(q_group, k_cache, v_cache, table, first, last, start, lens[s], block_size, kv_heads,
                                       h, head_dim, group, part);
       }
     }
@@ -206,9 +211,11 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
 
 // query [seqs, heads, head_dim]; kv_cache [2, num_blocks, block_size, kv_heads, head_dim];
 // block_tables [seqs, max_blocks] int64 (padding ignored past each context); context_lens [seqs] int64.
-// Writes softmax(q K^T * scale) V of each sequence's first context_lens tokens into out [seqs, heads, head_dim].
+// Writes softmax(q K^T * scale) V of each sequence's first context_lens tokens (with window > 0, the last
+// `window` of them: a sliding-window layer) into out [seqs, heads, head_dim].
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks) {
+                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
+                            int64_t window) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad query / kv_cache shapes");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() && context_lens.is_contiguous(),
               "kv_cache, block_tables and context_lens must be contiguous");
@@ -219,11 +226,12 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "query heads must be a multiple of KV heads, at most 16 per KV head");
   TORCH_CHECK(kv_cache.size(2) <= kMaxBlockSize, "block_size must be <= 128");
   TORCH_CHECK(partition_blocks > 0, "partition_blocks must be > 0");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: every position)");
   TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
   switch (kv_cache.scalar_type()) {
-    case at::kFloat: decode_attention<float>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
-    case at::kBFloat16: decode_attention<c10::BFloat16>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
-    case at::kHalf: decode_attention<c10::Half>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks); break;
+    case at::kFloat: decode_attention<float>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks, window); break;
+    case at::kBFloat16: decode_attention<c10::BFloat16>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks, window); break;
+    case at::kHalf: decode_attention<c10::Half>(query, kv_cache, block_tables, context_lens, out, scale, partition_blocks, window); break;
     default: TORCH_CHECK(false, "kv_cache dtype must be float32, bfloat16 or float16");
   }
 }

@@ -1,0 +1,72 @@
+"""Gemma 3 (models/gemma3.py): sliding-window and global layers, against transformers' Gemma 3.
+
+A tiny random model with a window of 8 tokens, so that prompts and generations run well past it:
+prompt logits, greedy tokens (decode through the C++ kernel and the portable path), chunked
+prefill and a prefix-cache hit all equal transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy
+from test_model_vs_transformers import pdserve_prompt_logits
+
+from pdserve import LLM, SamplingParams
+from pdserve.testing.random_models import save_random_model
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    """Six layers, every third global; q / k norm, GeGLU, scaled embeddings, tied head; a softmax
+    scale apart from the head size and a local RoPE base apart from the global one."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, max_position_embeddings=512,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    reference = save_random_model(config, path, perturbed=("norm",))  # Gemma's norms start at 0 (scale 1 + w)
+    return str(path), reference
+
+
+PROMPT = [5, 17, 900, 4000, 123, 77, 31000, 8, 42, 9, 300, 301, 302, 11, 12, 13, 14, 15, 4000, 5, 6, 7, 8, 9, 10]
+
+
+def test_prompt_logits_past_the_window_equal_transformers(tiny_gemma):
+    path, reference = tiny_gemma
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    assert llm.engine.model_config.model_type == "gemma3_text"
+    with torch.inference_mode():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(pdserve_prompt_logits(llm, PROMPT), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [None, "portable"], ids=["cpp", "portable"])
+def test_greedy_decode_past_the_window_equals_transformers(tiny_gemma, kernels, monkeypatch):
+    """Decode positions run 3x past the window: the sliding layers must drop what left it."""
+    path, reference = tiny_gemma
+    if kernels:
+        monkeypatch.setenv("PDSERVE_KERNELS", kernels)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    assert llm.engine.attention == ("sdpa" if kernels else "native")
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(reference, PROMPT, 24)
+
+
+def test_chunked_prefill_and_a_prefix_hit_equal_one_pass(tiny_gemma):
+    """Chunks of 4 tokens (each chunk's window reaches into earlier chunks' cached blocks), then the
+    same prompt again served from the prefix cache."""
+    path, reference = tiny_gemma
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=4, enable_chunked_prefill=True,
+              block_size=4)
+    expected = hf_greedy(reference, PROMPT, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert llm.generate(PROMPT, params)[0].token_ids == expected
+    again = llm.generate(PROMPT, params)[0]
+    assert again.metrics.num_cached_tokens > WINDOW and again.token_ids == expected
