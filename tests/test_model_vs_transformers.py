@@ -8,9 +8,9 @@ from helpers import hf_greedy
 from safetensors.torch import load_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.testing.random_models import save_random_model
 from pdserve.models.attention import AttentionMetadata, PrefillChunk
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.testing.random_models import save_random_model
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
