@@ -84,6 +84,17 @@ def test_chunked_prefill_and_a_prefix_hit_equal_one_pass(tiny_gemma):
     assert again.metrics.num_cached_tokens > WINDOW and again.token_ids == expected
 
 
+def test_tensor_parallel_2_equals_transformers(tiny_gemma):
+    """Two ranks, each with 2 of the 4 query heads and one of the 2 KV heads, past the window."""
+    path, reference = tiny_gemma
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    finally:
+        llm.engine.close()
+    assert out.token_ids == hf_greedy(reference, PROMPT, 16)
+
+
 def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
     """Prompts shorter and far longer than the window, at once through 1P1D pull and push; a chat
     request to a model without a chat template is a 400 naming the field, through the proxy too."""
