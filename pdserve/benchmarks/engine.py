@@ -1,6 +1,7 @@
 """Engine benchmark: pdserve against transformers on SmolLM2, same threads and dtype, one run.
 
     python -m pdserve.benchmarks.engine [--threads 1] [--dtypes float32 bfloat16] [--quantizations int4] [--quick]
+        [--model gemma-3-270m --section engine_gemma3 --out docs/results/engine_gemma3.json]
 
     # the portable path as on an AVX2-only CPU, into its own section and file:
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PDSERVE_KERNELS=portable \
@@ -31,6 +32,7 @@ import time
 import torch
 
 from pdserve.benchmarks.report import publish
+from pdserve.models.locate import default_model_name
 from pdserve.platform import CPU_ENV, CpuInfo
 from pdserve.procinfo import rss_mib
 from pdserve.workload import random_prompts
@@ -87,11 +89,12 @@ def streamed_weights(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, i
 # -- pdserve ------------------------------------------------------------------------------------
 
 
-def bench_pdserve(dtype: str, quantization: str, quick: bool) -> dict:
+def bench_pdserve(model: str | None, dtype: str, quantization: str, quick: bool,
+                  step_contexts: tuple[int, ...] = STEP_CONTEXTS) -> dict:
     from pdserve import LLM, SamplingParams
 
     bandwidth = read_bandwidth_gbs()  # before the model: its buffer must not count in the peak RSS
-    llm = LLM(dtype=dtype, quantization=quantization)
+    llm = LLM(model, dtype=dtype, quantization=quantization)
     plan = llm.engine.plan
     result = {"engine": llm.engine.labels(), "rss_after_load_mib": rss_mib(),
               "kv_bytes_per_token": llm.engine.kv_spec.bytes_per_token}
@@ -123,7 +126,7 @@ def bench_pdserve(dtype: str, quantization: str, quick: bool) -> dict:
         read = weight_bytes + batch * DECODE_MEDIAN_CONTEXT * kv
         result[f"decode_b{batch}_effective_gbs"] = read / (result[f"decode_b{batch}_step_ms"] / 1e3) / 1e9
 
-    contexts = STEP_CONTEXTS[:3] if quick else STEP_CONTEXTS
+    contexts = step_contexts[:3] if quick else step_contexts
     result["decode_step_ms_by_context"] = {}
     for i, context in enumerate(contexts):
         [out] = llm.generate(random_prompts(1, context, 200 + i), greedy(9))
@@ -142,12 +145,12 @@ def bench_pdserve(dtype: str, quantization: str, quick: bool) -> dict:
 # -- transformers -------------------------------------------------------------------------------
 
 
-def bench_transformers(dtype: str, quick: bool) -> dict:
+def bench_transformers(model_name: str | None, dtype: str, quick: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from pdserve.models.locate import resolve_model_dir
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name), dtype=getattr(torch, dtype)).eval()
     cpu = CpuInfo.detect()
     result = {"engine": {"device": "cpu", "device_name": cpu.model, "isa": cpu.isa, "dtype": dtype,
                          "kernels": "eager"}, "rss_after_load_mib": rss_mib()}
@@ -194,10 +197,14 @@ def bench_transformers(dtype: str, quick: bool) -> dict:
 # -- orchestration ------------------------------------------------------------------------------
 
 
-def run_one(system: str, dtype: str, threads: int, quick: bool, quantization: str = "none") -> dict:
-    """Run one (system, dtype, quantization) in a subprocess pinned to `threads` torch threads."""
+def run_one(args: argparse.Namespace, system: str, dtype: str, quantization: str = "none") -> dict:
+    """Run one (system, dtype, quantization) in a subprocess pinned to `args.threads` torch threads."""
+    threads = args.threads
     cmd = [sys.executable, "-m", "pdserve.benchmarks.engine", "--only", system, "--dtypes", dtype,
-           "--quantizations", quantization, "--threads", str(threads)] + (["--quick"] if quick else [])
+           "--quantizations", quantization, "--threads", str(threads),
+           "--step-contexts", *map(str, args.step_contexts)] + (["--quick"] if args.quick else [])
+    if args.model is not None:
+        cmd += ["--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     print(f"  running {system} {dtype} {quantization} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -222,8 +229,8 @@ def markdown(results: dict, threads: int, dtypes: list[str], quantizations: list
     meta = results["meta"]
     env = " ".join(f"{k}={v}" for k, v in meta["env"].items())
     lines = [
-        f"Command: `{env + ' ' if env else ''}python -m pdserve.benchmarks.engine --threads {threads}` "
-        f"({meta['date']}, {threads} thread(s), SmolLM2-135M-Instruct). Float columns unquantized; "
+        f"Command: `{env + ' ' if env else ''}python -m pdserve.benchmarks.engine --threads {threads}{meta['flags']}` "
+        f"({meta['date']}, {threads} thread(s), {meta['model']}). Float columns unquantized; "
         + "".join(f"`{q}`: {q} weights on the default dtype ({results['pdserve'][q]['engine']['dtype']}). "
                   for q in quantizations),
         "",
@@ -291,6 +298,10 @@ def main() -> None:
     parser.add_argument("--quantizations", nargs="*", default=["int4"], choices=["int4", "int8", "none"],
                         help="pdserve columns with weight-only quantization, on the default dtype")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and shapes (a smoke run)")
+    parser.add_argument("--model", default=None, help="a packaged model's name, a GGUF or a directory "
+                                                      "(default: the embedded SmolLM2)")
+    parser.add_argument("--step-contexts", type=int, nargs="+", default=list(STEP_CONTEXTS),
+                        help="contexts of the decode step against context (batch 1)")
     parser.add_argument("--only", choices=["pdserve", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="docs/results/engine.json")
     parser.add_argument("--section", default="engine", help="the section of docs/benchmarks.md to rewrite")
@@ -300,9 +311,10 @@ def main() -> None:
     if args.only:  # child process: one system, one dtype, JSON on the last stdout line
         torch.set_num_threads(args.threads)
         if args.only == "pdserve":
-            print(json.dumps(bench_pdserve(args.dtypes[0], args.quantizations[0], args.quick)))
+            print(json.dumps(bench_pdserve(args.model, args.dtypes[0], args.quantizations[0], args.quick,
+                                           tuple(args.step_contexts))))
         else:
-            print(json.dumps(bench_transformers(args.dtypes[0], args.quick)))
+            print(json.dumps(bench_transformers(args.model, args.dtypes[0], args.quick)))
         return
 
     cpu = CpuInfo.detect()
@@ -315,22 +327,29 @@ def main() -> None:
             "env": {k: os.environ[k] for k in CPU_ENV if os.environ.get(k)},
             "threads": args.threads,
             "torch": torch.__version__,
+            "model": default_model_name(args.model),
+            "flags": (f" --model {args.model}" if args.model else "")
+                     + (f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != ["float32", "bfloat16"] else "")
+                     + (f" --quantizations {' '.join(args.quantizations)}" if args.quantizations != ["int4"] else "")
+                     + (f" --step-contexts {' '.join(map(str, args.step_contexts))}"
+                        if args.step_contexts != list(STEP_CONTEXTS) else ""),
         },
         "pdserve": {},
         "transformers": {},
     }
     for dtype in args.dtypes:
         for system in ("pdserve", "transformers"):
-            results[system][dtype] = run_one(system, dtype, args.threads, args.quick)
+            results[system][dtype] = run_one(args, system, dtype)
     quantizations = [q for q in args.quantizations if q != "none"]
     for q in quantizations:
-        results["pdserve"][q] = run_one("pdserve", "auto", args.threads, args.quick, quantization=q)
+        results["pdserve"][q] = run_one(args, "pdserve", "auto", quantization=q)
     table = markdown(results, args.threads, args.dtypes, quantizations)
     if args.no_docs:
         print(table)
     else:
         env = ", ".join(f"{k}={v}" for k, v in results["meta"]["env"].items())
-        title = "Engine: pdserve vs transformers" + (f" ({env})" if env else "")
+        title = "Engine: pdserve vs transformers" + (f", {results['meta']['model']}" if args.model else "") + (
+            f" ({env})" if env else "")
         publish(results, args.out, args.section, title, table)
 
 
