@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from test_model_vs_transformers import pdserve_prompt_logits
 
 from pdserve import LLM, SamplingParams
+from pdserve.kv.pool import KVPool
+from pdserve.kv.transport import NodeTransports
 from pdserve.models.locate import packaged_gguf_path, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.testing.random_models import save_random_model
@@ -82,6 +84,31 @@ def test_chunked_prefill_and_a_prefix_hit_equal_one_pass(tiny_gemma):
     assert llm.generate(PROMPT, params)[0].token_ids == expected
     again = llm.generate(PROMPT, params)[0]
     assert again.metrics.num_cached_tokens > WINDOW and again.token_ids == expected
+
+
+def test_the_kv_spec_says_each_layers_window_and_what_it_still_reads(tiny_gemma):
+    path, _ = tiny_gemma
+    spec = LLM(path, dtype="float32", num_kv_blocks=8).engine.kv_spec
+    assert spec.layer_windows == (WINDOW, WINDOW, 0) * 2
+    # 25 tokens in blocks of 4: a global layer reads all 7 blocks; a sliding one positions 18..24
+    # (its next token, at 25, is the window's last), blocks 4..6.
+    assert spec.blocks_needed(2, 25, 4) == range(0, 7) and spec.blocks_needed(0, 25, 4) == range(4, 7)
+    assert spec.blocks_needed(0, 5, 4) == range(0, 2)  # shorter than the window: all of it
+
+
+def test_a_peer_with_other_layer_windows_is_refused_naming_them():
+    """The side channel's layout carries every layer's window: a P and a D whose models differ
+    only there (a window of 512 against 1024) cannot exchange blocks."""
+    shape = (3, 2, 8, 4, 1, 8)
+    ours = KVPool(shape, torch.float32, "cpu", layer_windows=(512, 512, 0))
+    theirs = KVPool(shape, torch.float32, "cpu", layer_windows=(1024, 1024, 0))
+    transports = NodeTransports([ours])
+    try:
+        assert transports.to_serve("tcp", ours.layout, 1, producer=True)[0].name == "tcp"
+        refused = transports.to_serve("tcp", theirs.layout, 1, producer=True)
+        assert refused == "KV layout mismatch: layer_windows (512, 512, 0) here, (1024, 1024, 0) on the peer"
+    finally:
+        transports.close()
 
 
 def test_tensor_parallel_2_equals_transformers(tiny_gemma):

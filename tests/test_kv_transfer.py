@@ -11,10 +11,10 @@ import torch
 
 from pdserve.kv.channel import AuthError, client_handshake
 from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
-from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import TRANSPORTS, NodeTransports
 

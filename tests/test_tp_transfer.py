@@ -9,10 +9,10 @@ import torch
 from helpers import push_in_chunks
 
 from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget
-from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.models.parallel import kv_heads

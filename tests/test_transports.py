@@ -15,12 +15,12 @@ import pytest
 import torch
 from helpers import push_in_chunks
 
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
-from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import TRANSPORTS, PeerPool, NodeTransports, choose_transport, transport_class
+from pdserve.kv.transport import TRANSPORTS, NodeTransports, PeerPool, choose_transport, transport_class
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 SRC, DST = [3, 4, 5, 9, 10], [20, 7, 8, 0, 1]  # scattered, with a run on both sides

@@ -25,11 +25,11 @@ import httpx
 from pdserve.config import KVTransferConfig
 from pdserve.kv.channel import resolve_secret
 from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import KVTransferParams, wants_remote_decode, wants_remote_prefill
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
-from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import NodeTransports
 from pdserve.sampling_params import InvalidParameter

@@ -60,8 +60,9 @@ class KVPool:
     memory: a TP rank's, or a peer's on this host. Only the creator unlinks a shared pool."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: str, shared: bool = False,
-                 model_kv_heads: int = 0, shm_name: str | None = None) -> None:
+                 model_kv_heads: int = 0, shm_name: str | None = None, layer_windows: tuple[int, ...] = ()) -> None:
         self.shape = shape
+        self.layer_windows = layer_windows  # the model's (KVCacheSpec): part of the layout peers agree on
         self.dtype = dtype
         self.shm: shared_memory.SharedMemory | None = None  # ours, in shared memory
         self._mapping: mmap.mmap | None = None  # the shared memory of our pool or another process's
@@ -88,7 +89,8 @@ class KVPool:
     @classmethod
     def for_model(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, device: str,
                   shared: bool = False, shm_name: str | None = None) -> KVPool:
-        return cls(spec.pool_shape(num_blocks, block_size), spec.dtype, device, shared, spec.model_kv_heads, shm_name)
+        return cls(spec.pool_shape(num_blocks, block_size), spec.dtype, device, shared, spec.model_kv_heads, shm_name,
+                   spec.layer_windows)
 
     @property
     def shm_name(self) -> str | None:
@@ -98,7 +100,7 @@ class KVPool:
     def layout(self) -> KVLayout:
         """What a peer must agree on, whatever its TP size (its ranks hold other shares of the heads)."""
         return KVLayout(self.num_layers, self.num_planes, self.block_size, self.model_kv_heads, self.head_bytes,
-                        str(self.dtype).removeprefix("torch."))
+                        str(self.dtype).removeprefix("torch."), self.layer_windows)
 
     def byte_view(self) -> memoryview:
         """The pool as flat bytes (CPU pools only): sockets send from and receive into it."""

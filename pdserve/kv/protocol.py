@@ -46,6 +46,7 @@ class KVLayout(msgspec.Struct, frozen=True):
     num_kv_heads: int  # the model's (a TP rank holds a share)
     head_bytes: int  # one KV head of one token in one plane
     dtype: str
+    layer_windows: tuple[int, ...] = ()  # each layer's attention window (0: all); (): every layer sees all
 
 
 class PullRequest(msgspec.Struct, tag=True):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.holds import HeldBlocks
-from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.inbox import TransferInbox, TransferResult
+from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import PeerPool, Transport, NodeTransports, choose_transport
+from pdserve.kv.transport import NodeTransports, PeerPool, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.kv.channel import SideChannelServer, connect
+from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.protocol import (
     Ack,
     ProtocolError,
@@ -37,10 +38,9 @@ from pdserve.kv.protocol import (
     recv_msg,
     send_msg,
 )
-from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import PeerPool, Transport, NodeTransports, choose_transport
+from pdserve.kv.transport import NodeTransports, PeerPool, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 

@@ -101,10 +101,12 @@ class Gemma3ForCausalLM(DecoderLM):
 
     @classmethod
     def kv_cache_spec(cls, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> KVCacheSpec:
-        """K and V of every layer, per KV head this rank holds. Every layer keeps every position
-        (the sliding layers attend to their window only)."""
+        """K and V of every layer, per KV head this rank holds, and each layer's window. The pool
+        keeps every position of every layer for now; the sliding layers read their window only."""
+        settings = Gemma3Settings.of(cfg)
         return KVCacheSpec(cfg.num_layers, len(tp.kv_heads(cfg.num_kv_heads)), cfg.head_dim, dtype,
-                           model_kv_heads=cfg.num_kv_heads)
+                           model_kv_heads=cfg.num_kv_heads,
+                           layer_windows=tuple(settings.window(i) for i in range(cfg.num_layers)))
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         tp.check(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)

@@ -20,9 +20,9 @@ import httpx
 import torch
 
 from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
-from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.procinfo import rss_mib

@@ -23,7 +23,7 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
 })
 AUTO = "auto"
 
-__all__ = ["AUTO", "TRANSPORTS", "PeerPool", "Transport", "NodeTransports", "choose_transport",
+__all__ = ["AUTO", "TRANSPORTS", "NodeTransports", "PeerPool", "Transport", "choose_transport",
            "transport_class", "uses_shared_pool"]
 
 
@@ -57,7 +57,10 @@ class NodeTransports(dict[str, Transport]):
         """The transport a peer named for a transfer it drives and this node's side of the read plan,
         or why this node cannot serve it."""
         if layout != self.pool.layout:
-            return f"KV layout mismatch: this node {self.pool.layout}, peer {layout}"
+            ours = self.pool.layout
+            differ = [f"{field} {getattr(ours, field)} here, {getattr(layout, field)} on the peer"
+                      for field in ours.__struct_fields__ if getattr(ours, field) != getattr(layout, field)]
+            return "KV layout mismatch: " + "; ".join(differ)
         transport = self.get(name)
         if transport is None:
             return f"unknown KV transport {name!r}"
