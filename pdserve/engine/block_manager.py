@@ -86,7 +86,7 @@ class BlockManager:
 
     def cache_full_blocks(self, req: Request) -> None:
         """Publish req's newly computed full blocks for prefix reuse."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not req.prefix_cacheable:
             return
         num_full = req.num_computed_tokens // self.block_size
         self._update_hashes(req, req.num_computed_tokens)

@@ -140,7 +140,7 @@ class LLMEngine:
         if kv.role == "both":
             return None, None
         held = HeldBlocks(kv.hold_timeout_s)
-        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id)
+        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id, self.kv_spec.layer_windows)
         worker = KVConnectorWorker(kv, held, self.kv_stats)
         connector.advertised = worker.register_kv_caches(self.pools)
         return connector, worker

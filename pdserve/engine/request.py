@@ -68,6 +68,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
+        self.prefix_cacheable = True  # False: some layer's KV of its blocks is missing (a windowed load)
         # Arrival is when the server got the request (it may wait for the engine's step to end).
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
         # PD disaggregation: what the proxy asked (kv_transfer_params in), what P answers (out).

@@ -32,6 +32,7 @@ from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import NodeTransports
+from pdserve.models.kv_spec import first_needed_block
 from pdserve.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ConnectorRequest(Protocol):
     kv_transfer_params: KVTransferParams | None
     num_computed_tokens: int
     block_ids: list[int]
+    prefix_cacheable: bool  # False once some layer's KV of its blocks never arrived (a windowed load)
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -94,9 +96,11 @@ class FinishedTransfers:
 
 
 class KVConnectorScheduler:
-    def __init__(self, config: KVTransferConfig, block_size: int, held: HeldBlocks, engine_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, held: HeldBlocks, engine_id: str,
+                 layer_windows: tuple[int, ...] = ()) -> None:
         self.config = config
         self.block_size = block_size
+        self.layer_windows = layer_windows  # the model's (KVCacheSpec): sliding layers load their window only
         self.held = held
         self.engine_id = engine_id
         self.advertised: dict[str, Any] = {}  # host / port / shm name of this node's side channel
@@ -150,6 +154,10 @@ class KVConnectorScheduler:
             self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params.metaserver,
                                             params.proxy_request_id))
             return
+        num_tokens = req.num_computed_tokens + num_external_tokens
+        if any(first_needed_block(w, num_tokens, bs) > first for w in self.layer_windows):
+            # Its sliding layers' blocks before their window stay empty here: never a prefix to share.
+            req.prefix_cacheable = False
         self._pending.append(
             LoadSpec(
                 request_id=req.request_id,
@@ -159,6 +167,8 @@ class KVConnectorScheduler:
                 remote_host=params.remote_host,
                 remote_port=params.remote_port,
                 remote_shm_name=params.remote_shm_name,
+                num_tokens=num_tokens if self.layer_windows else 0,
+                first_block=first,
             )
         )
 

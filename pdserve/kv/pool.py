@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import torch
 
 from pdserve.kv.protocol import KVLayout
-from pdserve.models.kv_spec import KVCacheSpec
+from pdserve.models.kv_spec import KVCacheSpec, first_needed_block
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
@@ -118,6 +118,22 @@ class KVPool:
             for plane in range(planes)
             for first, count in runs
         ]
+
+    def layer_runs(self, num_tokens: int, first_block: int, count: int) -> list[tuple[range, int]]:
+        """What a transfer of `count` blocks (blocks first_block.. of a sequence whose KV then ends at
+        `num_tokens`) moves of each layer: runs of consecutive layers that skip the same number of
+        leading blocks, [(layers, skip)]. A sliding layer skips the blocks before its window, which
+        it never reads again; without windows (or num_tokens 0) one run moves every block."""
+        if not self.layer_windows or not num_tokens:
+            return [(range(self.num_layers), 0)]
+        runs: list[tuple[range, int]] = []
+        for layer, window in enumerate(self.layer_windows):
+            skip = min(count, max(0, first_needed_block(window, num_tokens, self.block_size) - first_block))
+            if runs and runs[-1][1] == skip:
+                runs[-1] = (range(runs[-1][0].start, layer + 1), skip)
+            else:
+                runs.append((range(layer, layer + 1), skip))
+        return [(layers, skip) for layers, skip in runs if skip < count]
 
     def nbytes(self, block_ids: list[int], layers: range | None = None, heads: range | None = None) -> int:
         """Bytes of every plane of `block_ids` over `layers` (all by default), of `heads` (all)."""

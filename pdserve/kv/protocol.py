@@ -55,6 +55,10 @@ class PullRequest(msgspec.Struct, tag=True):
     transport: str  # a registered transport's name
     layout: KVLayout
     tp_size: int = 1  # D's: with P's, it fixes the read plan (kv/tp_plan.py)
+    # Sliding layers (layout.layer_windows) move only their window: the KV ends at num_tokens (0:
+    # every layer moves every block), and block_ids[0] is block first_block of the sequence.
+    num_tokens: int = 0
+    first_block: int = 0
 
 
 class PullReply(msgspec.Struct, tag=True):

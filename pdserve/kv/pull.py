@@ -54,8 +54,9 @@ class KVSender:
             start = time.perf_counter()
             send_msg(conn, PullReply(ok=True, shm_names=pools.shm_names, pool_num_blocks=pools.pool.num_blocks,
                                      tp_size=pools.tp_size))
-            layers = range(pools.pool.num_layers)
-            sent = sum(transport.serve_read(conn, piece, req.block_ids, layers) for piece in plan)
+            runs = pools.pool.layer_runs(req.num_tokens, req.first_block, len(req.block_ids))
+            sent = sum(transport.serve_read(conn, piece, req.block_ids[skip:], layers)
+                       for piece in plan for layers, skip in runs)
             reply = recv_msg(conn)
             done = isinstance(reply, PullDone) and reply.ok
         finally:
@@ -79,6 +80,8 @@ class LoadSpec:
     remote_host: str
     remote_port: int
     remote_shm_name: str | None = None
+    num_tokens: int = 0  # the sequence's KV ends here once loaded (0: every layer takes every block)
+    first_block: int = 0  # local_block_ids[0] is this block of the sequence
 
 
 class KVReceiver:
@@ -113,15 +116,16 @@ class KVReceiver:
         with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
             pools = self.transports
             send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport.name, pools.pool.layout,
-                                       pools.tp_size))
+                                       pools.tp_size, spec.num_tokens, spec.first_block))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:
                 raise ProtocolError(getattr(reply, "error", None) or "unexpected reply")
             peer = PeerPool(spec.remote_host, tuple(reply.shm_names), reply.pool_num_blocks, reply.tp_size)
-            layers = range(pools.pool.num_layers)
+            runs = pools.pool.layer_runs(spec.num_tokens, spec.first_block, len(spec.local_block_ids))
             # Every D rank's share, piece by piece, over this one connection: PullDone means all have it.
-            nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids, spec.local_block_ids, layers)
-                         for piece in pools.pieces(reply.tp_size, producer=False))
+            nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids[skip:], spec.local_block_ids[skip:],
+                                        layers)
+                         for piece in pools.pieces(reply.tp_size, producer=False) for layers, skip in runs)
             send_msg(sock, PullDone(spec.remote_request_id))
             if not isinstance(recv_msg(sock), Ack):
                 raise ProtocolError("P did not acknowledge the pull")

@@ -43,9 +43,12 @@ class KVCacheSpec:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     def blocks_needed(self, layer: int, num_tokens: int, block_size: int) -> range:
-        """The blocks of a `num_tokens` sequence that `layer` still reads at its next position: all of
-        them, or for a sliding layer those holding its last window - 1 tokens (the next token is the
-        window's last)."""
-        window = self.window(layer)
-        first = max(0, num_tokens - window + 1) // block_size if window else 0
-        return range(first, -(-num_tokens // block_size))
+        """The blocks of a `num_tokens` sequence that `layer` still reads at its next position."""
+        return range(first_needed_block(self.window(layer), num_tokens, block_size), -(-num_tokens // block_size))
+
+
+def first_needed_block(window: int, num_tokens: int, block_size: int) -> int:
+    """The first block a layer with this window (0: none) still reads once a sequence holds
+    `num_tokens` tokens: 0, or for a sliding layer the block of its last window - 1 tokens (the next
+    token is the window's last)."""
+    return max(0, num_tokens - window + 1) // block_size if window else 0
