@@ -125,7 +125,8 @@ def test_tensor_parallel_2_equals_transformers(tiny_gemma):
 def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
     """Prompts shorter and far longer than the window, at once through 1P1D pull and push; a chat
     request to a model without a chat template is a 400 naming the field, through the proxy too;
-    a pull moves the global layers' blocks and only the sliding layers' window, to the byte."""
+    pull and push, over shm and tcp, move the global layers' blocks and only the sliding layers'
+    window, to the byte."""
     path, _ = tiny_gemma
     node = ["--model", path, "--dtype", "float32", "--quantization", "none", "--block-size", str(BLOCK),
             "--kv-cache-memory", "0.01"]
@@ -133,9 +134,11 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
     with Procs(tmp_path) as procs:
         both = procs.start(["serve", *node], "both")
         p = procs.start(["serve", "--role", "prefill", *node], "p")
-        d = procs.start(["serve", "--role", "decode", "--kv-wait-timeout", "120", *node], "d")
-        proxies = {mode: procs.start(["proxy", "--mode", mode, "--prefill", p.url, "--decode", d.url], mode)
-                   for mode in ("pull", "push")}
+        decoders = {t: procs.start(["serve", "--role", "decode", "--kv-transport", t, "--kv-wait-timeout", "120",
+                                    *node], f"d_{t}") for t in ("shm", "tcp")}
+        proxies = {(mode, t): procs.start(["proxy", "--mode", mode, "--prefill", p.url, "--decode", d.url],
+                                          f"{mode}_{t}")
+                   for mode in ("pull", "push") for t, d in decoders.items()}
 
         def ask(url: str, prompt: list[int]) -> list[str]:
             r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
@@ -143,27 +146,29 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["logprobs"]["tokens"]
 
-        answers = {}
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            for name, url in (("colocated", both.url), ("pull", proxies["pull"].url), ("push", proxies["push"].url)):
-                answers[name] = list(pool.map(lambda prompt: ask(url, prompt), prompts))
-        assert answers["pull"] == answers["colocated"] and answers["push"] == answers["colocated"]
-        for url in (both.url, proxies["pull"].url):
+            expected = list(pool.map(lambda prompt: ask(both.url, prompt), prompts))
+            for key, proxy in proxies.items():
+                assert list(pool.map(lambda prompt: ask(proxy.url, prompt), prompts)) == expected, key
+        for url in (both.url, proxies["pull", "tcp"].url):
             r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                            timeout=60)
             assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"], r.text
             assert r.json()["error"]["param"] == "messages"
 
-        # One pull alone, of a prompt D has not seen (no prefix of it cached there): D receives the
-        # global layers' blocks and the sliding layers' window, to the byte.
-        received = lambda: metric(d.url, "pdserve:kv_transfer_bytes_total", 'direction="received"')  # noqa: E731
-        before, fresh = received(), [t + 1 for t in PROMPT * 3]
-        assert ask(proxies["pull"].url, fresh) == ask(both.url, fresh)
-        moved = received() - before
-        assert moved == windowed_bytes(len(fresh) - 1) < full_bytes(len(fresh) - 1)  # D computes the last token
-        # Nothing of it entered D's prefix cache (its sliding layers' early blocks are empty there):
-        # the same prompt again is pulled whole again.
-        assert ask(proxies["pull"].url, fresh) and received() - before == 2 * moved
+        # One transfer alone, of a prompt D has not seen (no prefix of it cached there): D receives
+        # the global layers' blocks and the sliding layers' window, to the byte; P pushes each
+        # chunk's blocks layer by layer, a sliding layer only those in the prompt's last window.
+        for i, ((mode, t), proxy) in enumerate(proxies.items()):
+            received = lambda: metric(decoders[t].url, "pdserve:kv_transfer_bytes_total",  # noqa: E731
+                                      'direction="received"')
+            before, fresh = received(), [token + 1 + i for token in PROMPT * 3]
+            assert ask(proxy.url, fresh) == ask(both.url, fresh)
+            moved = received() - before
+            assert moved == windowed_bytes(len(fresh) - 1) < full_bytes(len(fresh) - 1), (mode, t)
+            # Nothing of it entered D's prefix cache (its sliding layers' early blocks are empty
+            # there): the same prompt again moves whole again.
+            assert ask(proxy.url, fresh) and received() - before == 2 * moved, (mode, t)
 
 
 BLOCK = 4

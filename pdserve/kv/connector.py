@@ -150,14 +150,14 @@ class KVConnectorScheduler:
         params, bs = req.kv_transfer_params, self.block_size
         first = req.num_computed_tokens // bs
         last = -(-(req.num_computed_tokens + num_external_tokens) // bs)
-        if params.is_push:
-            self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params.metaserver,
-                                            params.proxy_request_id))
-            return
         num_tokens = req.num_computed_tokens + num_external_tokens
         if any(first_needed_block(w, num_tokens, bs) > first for w in self.layer_windows):
             # Its sliding layers' blocks before their window stay empty here: never a prefix to share.
             req.prefix_cacheable = False
+        if params.is_push:
+            self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params.metaserver,
+                                            params.proxy_request_id))
+            return
         self._pending.append(
             LoadSpec(
                 request_id=req.request_id,
@@ -211,7 +211,8 @@ class KVConnectorScheduler:
             src = req.block_ids[first:last] if last > first else []
             dst = progress.target.block_ids[first:last] if last > first else []
             progress.next_block = max(first, useful_end // bs)
-            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n))
+            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n,
+                                  num_tokens=n - 1 if self.layer_windows else 0, first_block=first))
         return saves
 
     # -- P: holds -------------------------------------------------------------------------------

@@ -127,13 +127,18 @@ class KVPool:
         if not self.layer_windows or not num_tokens:
             return [(range(self.num_layers), 0)]
         runs: list[tuple[range, int]] = []
-        for layer, window in enumerate(self.layer_windows):
-            skip = min(count, max(0, first_needed_block(window, num_tokens, self.block_size) - first_block))
+        for layer in range(self.num_layers):
+            skip = self.layer_skip(layer, num_tokens, first_block, count)
             if runs and runs[-1][1] == skip:
                 runs[-1] = (range(runs[-1][0].start, layer + 1), skip)
             else:
                 runs.append((range(layer, layer + 1), skip))
         return [(layers, skip) for layers, skip in runs if skip < count]
+
+    def layer_skip(self, layer: int, num_tokens: int, first_block: int, count: int) -> int:
+        """How many of such a transfer's leading blocks `layer` skips (count: all of them)."""
+        window = self.layer_windows[layer] if self.layer_windows and num_tokens else 0
+        return min(count, max(0, first_needed_block(window, num_tokens, self.block_size) - first_block))
 
     def nbytes(self, block_ids: list[int], layers: range | None = None, heads: range | None = None) -> int:
         """Bytes of every plane of `block_ids` over `layers` (all by default), of `heads` (all)."""

@@ -66,6 +66,10 @@ class SaveSpec:
     src_block_ids: list[int]
     dst_block_ids: list[int]
     last: bool
+    # Sliding layers push only their window of the prompt's KV, which ends at num_tokens (0: every
+    # layer pushes every block); src_block_ids[0] is block first_block of the sequence.
+    num_tokens: int = 0
+    first_block: int = 0
 
 
 @dataclass
@@ -179,18 +183,24 @@ class PushSender:
         try:
             if _peer_cancelled(session.sock):
                 raise ProtocolError("decode node cancelled the push")
+            skip = self.transports.pool.layer_skip(layer, spec.num_tokens, spec.first_block, len(spec.src_block_ids))
+            if skip == len(spec.src_block_ids):  # a sliding layer: these blocks are before its window
+                return
             if not session.transport.copies_inline:  # the bytes follow the message on the connection
-                send_msg(session.sock, PushLayers(layer, 1, spec.dst_block_ids))
+                send_msg(session.sock, PushLayers(layer, 1, spec.dst_block_ids[skip:]))
             for piece in session.pieces:
-                session.nbytes += session.transport.write(session.sock, session.peer, piece, spec.src_block_ids,
-                                                          spec.dst_block_ids, range(layer, layer + 1))
+                session.nbytes += session.transport.write(session.sock, session.peer, piece, spec.src_block_ids[skip:],
+                                                          spec.dst_block_ids[skip:], range(layer, layer + 1))
         except (OSError, ProtocolError) as exc:
             self._fail(spec.request_id, session, str(exc))
 
     def _announce_copied(self, spec: SaveSpec, session: _Session) -> None:
-        """A memcpy transport wrote every layer of this chunk: one message tells D which blocks."""
+        """A memcpy transport wrote every layer of this chunk: one message per run of layers that
+        skip the same blocks (one in all, without sliding layers) tells D which blocks."""
+        runs = self.transports.pool.layer_runs(spec.num_tokens, spec.first_block, len(spec.dst_block_ids))
         try:
-            send_msg(session.sock, PushLayers(0, self.transports.pool.num_layers, spec.dst_block_ids))
+            for layers, skip in runs:
+                send_msg(session.sock, PushLayers(layers.start, len(layers), spec.dst_block_ids[skip:]))
         except OSError as exc:
             self._fail(spec.request_id, session, str(exc))
 
