@@ -125,20 +125,23 @@ def test_tensor_parallel_2_equals_transformers(tiny_gemma):
 def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
     """Prompts shorter and far longer than the window, at once through 1P1D pull and push; a chat
     request to a model without a chat template is a 400 naming the field, through the proxy too;
-    pull and push, over shm and tcp, move the global layers' blocks and only the sliding layers'
-    window, to the byte."""
+    pull and push, over shm and tcp, from a P at TP 1 and 2, move the global layers' blocks and only
+    the sliding layers' window, to the byte."""
     path, _ = tiny_gemma
     node = ["--model", path, "--dtype", "float32", "--quantization", "none", "--block-size", str(BLOCK),
             "--kv-cache-memory", "0.01"]
     prompts = [PROMPT[:n] for n in (3, 9, 17, 25)] + [PROMPT * 3]
     with Procs(tmp_path) as procs:
         both = procs.start(["serve", *node], "both")
-        p = procs.start(["serve", "--role", "prefill", *node], "p")
+        prefills = {tp: procs.start(["serve", "--role", "prefill", "--tensor-parallel-size", str(tp), *node], f"p{tp}")
+                    for tp in (1, 2)}
         decoders = {t: procs.start(["serve", "--role", "decode", "--kv-transport", t, "--kv-wait-timeout", "120",
                                     *node], f"d_{t}") for t in ("shm", "tcp")}
-        proxies = {(mode, t): procs.start(["proxy", "--mode", mode, "--prefill", p.url, "--decode", d.url],
-                                          f"{mode}_{t}")
-                   for mode in ("pull", "push") for t, d in decoders.items()}
+        # P at TP 2 (one KV head a rank) into D at TP 1: each rank's share of the window.
+        routes = [(mode, t, 1) for mode in ("pull", "push") for t in decoders] + [("pull", "tcp", 2), ("push", "shm", 2)]
+        proxies = {(mode, t, tp): procs.start(["proxy", "--mode", mode, "--prefill", prefills[tp].url, "--decode",
+                                               decoders[t].url], f"{mode}_{t}_p{tp}")
+                   for mode, t, tp in routes}
 
         def ask(url: str, prompt: list[int]) -> list[str]:
             r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
@@ -150,7 +153,7 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
             expected = list(pool.map(lambda prompt: ask(both.url, prompt), prompts))
             for key, proxy in proxies.items():
                 assert list(pool.map(lambda prompt: ask(proxy.url, prompt), prompts)) == expected, key
-        for url in (both.url, proxies["pull", "tcp"].url):
+        for url in (both.url, proxies["pull", "tcp", 1].url):
             r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                            timeout=60)
             assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"], r.text
@@ -159,16 +162,16 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
         # One transfer alone, of a prompt D has not seen (no prefix of it cached there): D receives
         # the global layers' blocks and the sliding layers' window, to the byte; P pushes each
         # chunk's blocks layer by layer, a sliding layer only those in the prompt's last window.
-        for i, ((mode, t), proxy) in enumerate(proxies.items()):
+        for i, ((mode, t, tp), proxy) in enumerate(proxies.items()):
             received = lambda: metric(decoders[t].url, "pdserve:kv_transfer_bytes_total",  # noqa: E731
                                       'direction="received"')
             before, fresh = received(), [token + 1 + i for token in PROMPT * 3]
             assert ask(proxy.url, fresh) == ask(both.url, fresh)
             moved = received() - before
-            assert moved == windowed_bytes(len(fresh) - 1) < full_bytes(len(fresh) - 1), (mode, t)
+            assert moved == windowed_bytes(len(fresh) - 1) < full_bytes(len(fresh) - 1), (mode, t, tp)
             # Nothing of it entered D's prefix cache (its sliding layers' early blocks are empty
             # there): the same prompt again moves whole again.
-            assert ask(proxy.url, fresh) and received() - before == 2 * moved, (mode, t)
+            assert ask(proxy.url, fresh) and received() - before == 2 * moved, (mode, t, tp)
 
 
 BLOCK = 4
