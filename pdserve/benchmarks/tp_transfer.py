@@ -41,7 +41,9 @@ def rank_pools(num_kv_heads: int, tp: int, num_blocks: int, dtype: torch.dtype) 
                    shared=True, model_kv_heads=num_kv_heads) for r in range(tp)]
 
 
-def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int) -> list[float]:
+def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int,
+              num_tokens: int = 0) -> list[float]:
+    """Seconds per pull of `blocks`; `num_tokens` > 0: the KV ends there and sliding layers move their window."""
     held, inbox = HeldBlocks(timeout_s=600), TransferInbox()
     sender = KVSender(p, held, KVStats(), "127.0.0.1", 0)
     receiver = KVReceiver(d, KVStats(), inbox, transport, timeout_s=60)
@@ -50,7 +52,8 @@ def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
         for i in range(repeats + 1):  # the first warms up (maps the peer's pools)
             held.hold(f"p-{i}", blocks)
             start = time.perf_counter()
-            receiver.start(LoadSpec(f"d-{i}", blocks, blocks, f"p-{i}", "127.0.0.1", sender.port, p.pool.shm_name))
+            receiver.start(LoadSpec(f"d-{i}", blocks, blocks, f"p-{i}", "127.0.0.1", sender.port, p.pool.shm_name,
+                                    num_tokens))
             [result] = inbox.poll(timeout=60)
             assert result.error is None, result.error
             seconds.append(time.perf_counter() - start)
@@ -61,7 +64,9 @@ def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     return seconds[1:]
 
 
-def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int) -> list[float]:
+def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int,
+              num_tokens: int = 0) -> list[float]:
+    """Seconds per push of `blocks`, every layer in one step; `num_tokens` as for time_pull."""
     inbox = TransferInbox()
     receiver = PushReceiver(d, KVStats(), inbox, "127.0.0.1", 0)
     sender = PushSender(p, KVStats(), transport, timeout_s=60)
@@ -71,7 +76,7 @@ def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
             receiver.expect(f"d-{i}", blocks, timeout_s=60)
             target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.pool.shm_name)
             start = time.perf_counter()
-            sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True)])
+            sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True, num_tokens=num_tokens)])
             for layer in range(p.pool.num_layers):
                 sender.save_kv_layer(layer)
             sender.wait_for_save()

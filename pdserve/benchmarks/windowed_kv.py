@@ -1,0 +1,81 @@
+"""What a PD transfer of Gemma 3 270M moves: each sliding layer's window against every layer in full.
+
+    python -m pdserve.benchmarks.windowed_kv [--prompt-lens 512 2048 8192] [--repeats 10]
+
+Gemma 3 270M keeps K and V of one KV head (head dim 256) in 18 layers, 15 of them sliding (window
+512). D needs the global layers' KV of the whole prompt but a sliding layer's only for its last
+window. For each prompt length: the KV bytes per request both ways (the connector's own count,
+`KVPool.layer_runs`), and the time of a pull and of a push over tcp and shm through the connector's
+real path (side channel, transports; both ends in this process on threads, without the model), the
+windowed transfer against the full one. Median of `--repeats` (pools in bfloat16, as `auto` runs
+here). Writes docs/results/windowed_kv.json and a section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.tp_transfer import time_pull, time_push
+from pdserve.kv.pool import KVPool
+from pdserve.kv.transport import TRANSPORTS, NodeTransports
+from pdserve.models.locate import resolve_model_dir
+from pdserve.models.registry import model_class, read_model_config
+
+BLOCK = 16
+
+
+def measure(spec, prompt_len: int, repeats: int) -> dict:
+    num_tokens = prompt_len - 1  # D computes the last prompt token itself
+    num_blocks = -(-num_tokens // BLOCK)
+    pools = [KVPool.for_model(spec, num_blocks, BLOCK, "cpu", shared=True) for _ in range(2)]
+    pools[0].tensor.normal_()
+    p, d = NodeTransports([pools[0]]), NodeTransports([pools[1]])
+    blocks = list(range(num_blocks))
+    runs = pools[0].layer_runs(num_tokens, 0, num_blocks)
+    out = {"full_mib": pools[0].nbytes(blocks) / 2**20,
+           "windowed_mib": sum(pools[0].nbytes(blocks[skip:], layers) for layers, skip in runs) / 2**20}
+    try:
+        for transport in TRANSPORTS:
+            for mode, run in (("pull", time_pull), ("push", time_push)):
+                for kind, tokens in (("full", 0), ("windowed", num_tokens)):
+                    seconds = run(p, d, transport, blocks, repeats, tokens)
+                    out[f"{mode}_{transport}_{kind}_ms"] = 1e3 * statistics.median(seconds)
+    finally:
+        p.close()
+        d.close()
+        for pool in pools:
+            pool.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default="docs/results/windowed_kv.json")
+    args = parser.parse_args()
+    config = read_model_config(resolve_model_dir("gemma-3-270m"))
+    spec = model_class(config).kv_cache_spec(config, torch.bfloat16)
+    res = {"date": time.strftime("%Y-%m-%d"), "layer_windows": list(spec.layer_windows), "block_size": BLOCK,
+           "lengths": {str(n): measure(spec, n, args.repeats) for n in args.prompt_lens}}
+    sliding = sum(1 for w in spec.layer_windows if w)
+    lines = [f"Command: `python -m pdserve.benchmarks.windowed_kv` ({res['date']}; Gemma 3 270M's KV layout: "
+             f"{spec.num_layers} layers, {sliding} sliding with a window of {max(spec.layer_windows)}, one KV head of "
+             f"{spec.head_dim}, bfloat16, blocks of {BLOCK}; median of {args.repeats}; both ends in this process). "
+             "Windowed: the global layers' blocks and each sliding layer's last window; full: every layer's every "
+             "block. Each transfer cell: full / windowed, milliseconds per request.", "",
+             "| prompt tokens | KV full (MiB) | KV windowed (MiB) | pull tcp | pull shm | push tcp | push shm |", "|---|---|---|---|---|---|---|"]
+    for n, r in res["lengths"].items():
+        cells = [f"{r[f'{m}_{t}_full_ms']:.1f} / {r[f'{m}_{t}_windowed_ms']:.1f}"
+                 for m in ("pull", "push") for t in ("tcp", "shm")]
+        lines.append(f"| {n} | {r['full_mib']:.1f} | {r['windowed_mib']:.1f} | " + " | ".join(cells) + " |")
+    publish(res, args.out, "windowed_kv", "Gemma 3: moving each sliding layer's window (issue 34)", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
