@@ -96,6 +96,23 @@ def test_the_kv_spec_says_each_layers_window_and_what_it_still_reads(tiny_gemma)
     assert spec.blocks_needed(0, 5, 4) == range(0, 2)  # shorter than the window: all of it
 
 
+@pytest.mark.parametrize("change, error", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+    ({"layer_types": ["sliding_attention"] * 5 + ["chunked_attention"]}, "layer_types must name"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope type 'linear' is not supported"),
+])
+def test_a_gemma_variant_it_cannot_run_is_refused_by_name(tiny_gemma, tmp_path, change, error):
+    """Before any weight loads: a config whose rules pdserve does not implement is an error naming them."""
+    path, _ = tiny_gemma
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).symlink_to(f"{path}/{f}")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=error):
+        LLM(str(tmp_path), dtype="float32", num_kv_blocks=8)
+
+
 def test_a_peer_with_other_layer_windows_is_refused_naming_them():
     """The side channel's layout carries every layer's window: a P and a D whose models differ
     only there (a window of 512 against 1024) cannot exchange blocks."""

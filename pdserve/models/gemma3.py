@@ -51,6 +51,9 @@ class Gemma3Settings:
             raise ValueError(f"Gemma 3 hidden_activation {hf['hidden_activation']!r}: only gelu_pytorch_tanh")
         pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
         types = hf.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg.num_layers)]
+        if len(types) != cfg.num_layers or not set(types) <= {FULL, SLIDING}:
+            raise ValueError(f"Gemma 3 layer_types must name {FULL} or {SLIDING} for each of its "
+                             f"{cfg.num_layers} layers, got {types}")
         rope = hf.get("rope_parameters") or {}
         for kind in (FULL, SLIDING):
             rope_type = (rope.get(kind) or {}).get("rope_type", "default")
