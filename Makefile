@@ -38,12 +38,14 @@ test: install-test
 
 # CI's second pass: the engine-vs-transformers correctness tests (quantized ones included), PD
 # equivalence tests (push = pull = colocated; int4), the file's model on every dtype x quantization
-# (bf16 + int4 forced: the README's answer, float32 logits) and batch-invariant mode (its kernels'
-# row independence; PD = colocated on bf16 + int4) on the portable path as an AVX2-only CPU runs it.
+# (bf16 + int4 forced: the README's answer, float32 logits), batch-invariant mode (its kernels'
+# row independence; PD = colocated on bf16 + int4) and Gemma 3 (its defaults here: float32 + int8;
+# sliding windows on the portable attention; windowed PD) on the portable path as an AVX2-only CPU runs it.
 test-portable: install-test
 	$(PORTABLE_AVX2) $(PY) -m pytest -q tests/test_model_vs_transformers.py tests/test_platform.py tests/test_file_model.py \
 		tests/test_pd_push.py::test_push_equals_pull_equals_colocated tests/test_quantization.py \
-		tests/test_mla.py::test_greedy_tokens_equal_transformers_and_logprobs_are_close tests/test_batch_invariant.py
+		tests/test_mla.py::test_greedy_tokens_equal_transformers_and_logprobs_are_close tests/test_batch_invariant.py \
+		tests/test_gemma3.py
 
 # The whole suite on that path (about as long as `make test`).
 test-avx2: install-test

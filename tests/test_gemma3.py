@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.transport import NodeTransports
 from pdserve.models.locate import packaged_gguf_path, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.platform import KERNELS_ENV
 from pdserve.testing.random_models import save_random_model
 
 WINDOW = 8
@@ -67,6 +69,8 @@ def test_greedy_decode_past_the_window_equals_transformers(tiny_gemma, kernels, 
     path, reference = tiny_gemma
     if kernels:
         monkeypatch.setenv("PDSERVE_KERNELS", kernels)
+    elif os.environ.get(KERNELS_ENV) == "portable":
+        pytest.skip("this run forces the portable kernels (make test-portable)")
     llm = LLM(path, dtype="float32", num_kv_blocks=64)
     assert llm.engine.attention == ("sdpa" if kernels else "native")
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
@@ -248,3 +252,17 @@ def test_gemma_greedy_past_its_window_equals_transformers(gemma_dir, hf_gemma):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     with torch.inference_mode():
         assert out.token_ids == hf_greedy(hf_gemma, prompt, 16)
+
+
+def test_gemma_defaults_follow_its_float32_model(gemma_dir):
+    """What `auto` picks on this CPU (bf16 or float32, int8 decode for the Q5_0 file): greedy tokens
+    that the float32 unquantized model, teacher-forced on them, also ranks first at >= 90 % of the
+    steps (int8 rounding may flip near-ties, never the run as a whole)."""
+    default = LLM(str(gemma_dir))
+    assert default.engine.quantization == "int8"
+    prompt = default.tokenizer.encode("The tallest mountain on Earth is Mount Everest. The longest river in the world")
+    out = default.generate(prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    reference = LLM(str(gemma_dir), dtype="float32", quantization="none")
+    logits = pdserve_prompt_logits(reference, prompt + out.token_ids)[len(prompt) - 1 : -1]
+    agree = sum(int(a == b) for a, b in zip(logits.argmax(-1).tolist(), out.token_ids))
+    assert agree >= 0.9 * len(out.token_ids), (agree, default.tokenizer.decode(out.token_ids))
