@@ -1,9 +1,15 @@
-"""What /proc says about a process: its RSS, its children, whether it still runs (Linux only)."""
+"""What /proc says about a process: its RSS, its children, whether it still runs; and the shared
+memory a dead one left (Linux only)."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+POOL_PREFIX = "pdserve-kv-"  # + the creator's pid + "-" + a random part (kv/pool.py names them)
 
 
 def rss_mib(pid: int | str = "self") -> float:
@@ -25,3 +31,23 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows "(command name)"
+
+
+def pool_name(pid: int, tag: str) -> str:
+    """A shared KV pool's name: its creator's pid in it, so that a pool whose creator died (killed:
+    no chance to unlink it) can be told apart and removed."""
+    return f"{POOL_PREFIX}{pid}-{tag}"
+
+
+def remove_dead_pools() -> list[str]:
+    """Unlink the shared KV pools whose creator no longer runs; their names."""
+    removed = []
+    for path in SHM_DIR.glob(f"{POOL_PREFIX}*") if SHM_DIR.is_dir() else ():
+        match = re.fullmatch(rf"{POOL_PREFIX}(\d+)-\w+", path.name)
+        if match and not alive(int(match.group(1))):
+            try:
+                os.unlink(path)
+                removed.append(path.name)
+            except FileNotFoundError:  # another process removed it first
+                pass
+    return removed

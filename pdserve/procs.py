@@ -28,6 +28,7 @@ import httpx
 
 from pdserve.api.guards import API_KEY_ENV
 from pdserve.kv.channel import SECRET_ENV
+from pdserve.procinfo import remove_dead_pools
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
@@ -256,6 +257,7 @@ class ProcessGroup:
         deadline = time.monotonic() + self.stop_grace_s
         for child in reversed(self.children):
             child.reap(max(deadline - time.monotonic(), 0.1))
+        remove_dead_pools()  # the shared KV pools of a child that was killed (it could not unlink them)
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -22,6 +22,7 @@ sys.path.insert(0, GUARD_DIR)
 import connect_guard  # noqa: E402
 
 connect_guard.SESSION_START = connect_guard.footprint()
+connect_guard.SESSION_START_POOLS = connect_guard.shm_pools()
 _guard_tmp = tempfile.mkdtemp(prefix="pdserve-connect-guard-")
 os.environ[connect_guard.LOG_ENV] = os.path.join(_guard_tmp, "connects.jsonl")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (GUARD_DIR, os.environ.get("PYTHONPATH")) if p)

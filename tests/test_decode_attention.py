@@ -116,3 +116,23 @@ def test_a_sliding_window_reads_only_its_last_positions(ops, kernel, window):
         empty = torch.empty(0, kv_heads, head_dim)
         out = paged_attention(q, empty, empty, kv_cache.nan_to_num(0.0), meta, scale, window)  # SDPA reads it all
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_build_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch waits for ever on its build lock: one older than any build is a killed build's, and
+    goes; a fresh one (a build running in another process now) stays."""
+    import os
+    import time
+
+    from pdserve.models.native import STALE_BUILD_LOCK_S, remove_stale_lock
+
+    stale, fresh = tmp_path / "stale" / "lock", tmp_path / "fresh" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    remove_stale_lock(stale)
+    remove_stale_lock(fresh)
+    remove_stale_lock(tmp_path / "none" / "lock")  # no lock: nothing to do
+    assert not stale.exists() and fresh.exists()

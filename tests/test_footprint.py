@@ -64,3 +64,11 @@ def test_the_session_connected_only_to_this_machine_and_its_namespaces():
 
 def test_ray_temp_dir_home_ray_and_namespaces_are_as_before_the_session():
     assert connect_guard.footprint() == connect_guard.SESSION_START
+
+
+def test_no_shared_kv_pool_of_the_session_is_left():
+    """Every P and D pool lives in /dev/shm. A node stopped cleanly unlinks its own; one the tests
+    killed (SIGKILL: no chance to) is unlinked by the next pool's creation or by the process group
+    that ran it (procinfo.remove_dead_pools). Nothing the session made may outlive it."""
+    left = set(connect_guard.shm_pools()) - set(connect_guard.SESSION_START_POOLS)
+    assert not left, sorted(left)

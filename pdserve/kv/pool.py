@@ -19,6 +19,7 @@ from multiprocessing import shared_memory
 import torch
 
 from pdserve.kv.protocol import KVLayout
+from pdserve.procinfo import pool_name, remove_dead_pools
 from pdserve.models.kv_spec import KVCacheSpec, first_needed_block
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -71,8 +72,11 @@ class KVPool:
         if shm_name is not None:
             self._mapping = attach_shared(shm_name)
         elif shared and torch.device(device).type == "cpu":
-            # A fresh shared-memory file is zero-filled, like torch.zeros below.
-            self.shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"pdserve-kv-{uuid.uuid4().hex[:16]}")
+            # A fresh shared-memory file is zero-filled, like torch.zeros below. Pools a killed node
+            # left behind go first (nothing else would ever free them).
+            remove_dead_pools()
+            self.shm = shared_memory.SharedMemory(create=True, size=nbytes,
+                                                  name=pool_name(os.getpid(), uuid.uuid4().hex[:16]))
             self._mapping, self._shm_name = self.shm._mmap, self.shm.name  # noqa: SLF001
         if self._mapping is not None:
             if len(self._mapping) < nbytes:

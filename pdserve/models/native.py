@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +29,7 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp"
 HEADERS = [CSRC / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"
+STALE_BUILD_LOCK_S = 600.0  # a build takes about a minute here; a lock this old belongs to a killed one
 
 
 def build_dir() -> Path:
@@ -60,8 +62,21 @@ def build() -> ModuleType:
     _put_ninja_on_path()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_lock(directory / "lock")
     return load(name=MODULE_NAME, sources=[str(s) for s in SOURCES], build_directory=str(directory),
                 extra_cflags=CFLAGS, verbose=False)
+
+
+def remove_stale_lock(lock: Path) -> None:
+    """torch's build lock, left by a build that was killed, makes every later build wait for ever
+    (torch's FileBaton polls until the file goes): one older than any build here is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        logger.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 @functools.cache

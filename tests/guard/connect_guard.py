@@ -97,6 +97,12 @@ def read_log(path: str) -> list[dict]:
         return []
 
 
+def shm_pools() -> list[str]:
+    """pdserve's shared KV pools now in /dev/shm."""
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("pdserve-kv-")) \
+        if os.path.isdir("/dev/shm") else []
+
+
 def footprint() -> dict[str, list[str] | None]:
     """What a Ray run or a namespace leaves for later commands to find: Ray's default temp dir
     (/tmp/ray: ray_current_cluster, sessions), ~/.ray (auth tokens) and the network namespaces."""
