@@ -4,6 +4,7 @@ blocks held for the named request can be read, and peers must prove the shared s
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import pytest
@@ -102,3 +103,24 @@ def test_only_the_named_requests_blocks_can_be_read(prefill_side, request_id, bl
     result, local, _ = pull(sender, pool.shm_name, "tcp", b"right", blocks, list(range(len(blocks))), request_id)
     assert result.error and message in result.error
     assert local.tensor.abs().sum() == 0
+
+
+def test_a_pool_whose_creator_died_is_removed_and_a_live_ones_is_kept():
+    """A node killed with its resource tracker leaves its shared pool: the next pool made (or the
+    process group's stop) removes it by the creator's pid in its name; a live process's stays."""
+    import subprocess
+    import sys
+    from multiprocessing import resource_tracker, shared_memory
+
+    from pdserve.procinfo import pool_name, remove_dead_pools
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = shared_memory.SharedMemory(create=True, size=4096, name=pool_name(int(dead.stdout), "orphan"))
+    resource_tracker.unregister(orphan._name, "shared_memory")  # as if its tracker had died with it
+    ours = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)  # made after the orphan: sweeps it
+    try:
+        assert orphan.name not in os.listdir("/dev/shm") and ours.shm_name in os.listdir("/dev/shm")
+        assert remove_dead_pools() == []
+    finally:
+        orphan.close()
+        ours.close()
