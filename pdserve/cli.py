@@ -8,10 +8,14 @@ import sys
 import time
 
 from pdserve.kv.transport import AUTO, TRANSPORTS
+from pdserve.models.locate import DEFAULT_MODEL, PACKAGED_MODELS
 from pdserve.proxy.flows import FLOWS
 from pdserve.proxy.placement import PLACEMENT_RULES
 from pdserve.proxy.policies import POLICIES
 from pdserve.registry import load_plugins
+
+MODEL_HELP = (f"HF model directory, .gguf file, or a packaged model's name: {', '.join(PACKAGED_MODELS)} "
+              f"(default: {DEFAULT_MODEL}, embedded)")
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +39,7 @@ def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_arg(parser)
     add_quantization_arg(parser)
     add_batch_invariant_arg(parser)
@@ -409,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--model", default=None)
+    up.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_arg(up)
     add_quantization_arg(up)
     add_batch_invariant_arg(up)

@@ -72,7 +72,7 @@ def push_in_chunks(sender, request_id: str, target, chunks: list[tuple[list[int]
     from pdserve.kv.push import SaveSpec
 
     for i, (src, dst) in enumerate(chunks):
-        sender.begin_step([SaveSpec(request_id, target, src, dst, last=i == len(chunks) - 1)])
+        sender.begin_step([SaveSpec(request_id, target, [src], [dst], last=i == len(chunks) - 1)])  # one KV group
         for layer in range(num_layers):
             sender.save_kv_layer(layer)
         sender.wait_for_save()

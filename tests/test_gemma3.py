@@ -23,6 +23,7 @@ from test_model_vs_transformers import pdserve_prompt_logits
 from pdserve import LLM, SamplingParams
 from pdserve.kv.pool import KVPool
 from pdserve.kv.transport import NodeTransports
+from pdserve.models.kv_spec import first_needed_block
 from pdserve.models.locate import packaged_gguf_path, resolve_model_dir
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import KERNELS_ENV
@@ -90,14 +91,33 @@ def test_chunked_prefill_and_a_prefix_hit_equal_one_pass(tiny_gemma):
     assert again.metrics.num_cached_tokens > WINDOW and again.token_ids == expected
 
 
-def test_the_kv_spec_says_each_layers_window_and_what_it_still_reads(tiny_gemma):
+def test_a_pool_too_small_for_every_layer_in_full_serves_it_windowed(tiny_gemma):
+    """40 blocks of 4 tokens for a 75-token prompt and 24 more: every layer's every block would take
+    3 groups x 25 blocks; the full group's 25 and the two sliding groups' few (their window and a
+    chunk's) fit, because the sliding blocks go back to the pool as they leave the window."""
+    path, reference = tiny_gemma
+    llm = LLM(path, dtype="float32", num_kv_blocks=40, block_size=4, max_num_batched_tokens=4,
+              enable_chunked_prefill=True)
+    assert llm.engine.max_model_len == 124  # 1 null + 31 full + 2 x 4 sliding blocks
+    prompt = PROMPT * 3
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert out.metrics.num_preemptions == 0 and out.token_ids == hf_greedy(reference, prompt, 24)
+    assert llm.engine.block_manager.num_used_blocks == 0  # and every block came back
+
+
+def test_the_kv_spec_groups_layers_by_window(tiny_gemma):
+    """Two global layers and four sliding ones: a full group of two and two sliding groups of two,
+    each layer in one of two pool layer slots; a block id serves one group at a time."""
     path, _ = tiny_gemma
-    spec = LLM(path, dtype="float32", num_kv_blocks=8).engine.kv_spec
+    engine = LLM(path, dtype="float32", num_kv_blocks=8).engine
+    spec = engine.kv_spec
     assert spec.layer_windows == (WINDOW, WINDOW, 0) * 2
+    assert [(g.window, g.layers) for g in spec.groups] == [(0, (2, 5)), (WINDOW, (0, 1)), (WINDOW, (3, 4))]
+    assert engine.pool.tensor.shape[0] == 2 and engine.block_manager.group_windows == (0, WINDOW, WINDOW)
     # 25 tokens in blocks of 4: a global layer reads all 7 blocks; a sliding one positions 18..24
     # (its next token, at 25, is the window's last), blocks 4..6.
-    assert spec.blocks_needed(2, 25, 4) == range(0, 7) and spec.blocks_needed(0, 25, 4) == range(4, 7)
-    assert spec.blocks_needed(0, 5, 4) == range(0, 2)  # shorter than the window: all of it
+    assert first_needed_block(WINDOW, 25, 4) == 4 and first_needed_block(0, 25, 4) == 0
+    assert first_needed_block(WINDOW, 5, 4) == 0  # shorter than the window: all of it
 
 
 @pytest.mark.parametrize("change, error", [
@@ -147,7 +167,7 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
     """Prompts shorter and far longer than the window, at once through 1P1D pull and push; a chat
     request to a model without a chat template is a 400 naming the field, through the proxy too;
     pull and push, over shm and tcp, from a P at TP 1 and 2, move the global layers' blocks and only
-    the sliding layers' window, to the byte."""
+    the sliding layers' window, to the byte; D's prefix cache serves that prompt again."""
     path, _ = tiny_gemma
     node = ["--model", path, "--dtype", "float32", "--quantization", "none", "--block-size", str(BLOCK),
             "--kv-cache-memory", "0.01"]
@@ -190,9 +210,9 @@ def test_pd_pull_and_push_equal_a_colocated_node(tiny_gemma, tmp_path):
             assert ask(proxy.url, fresh) == ask(both.url, fresh)
             moved = received() - before
             assert moved == windowed_bytes(len(fresh) - 1) < full_bytes(len(fresh) - 1), (mode, t, tp)
-            # Nothing of it entered D's prefix cache (its sliding layers' early blocks are empty
-            # there): the same prompt again moves whole again.
-            assert ask(proxy.url, fresh) and received() - before == 2 * moved, (mode, t, tp)
+            # D's prefix cache keeps what it received (its sliding groups' window only): the same
+            # prompt again hits 18 of its 19 blocks there, and only the last one moves, of every group.
+            assert ask(proxy.url, fresh) and received() - before - moved == 6 * BLOCK_BYTES, (mode, t, tp)
 
 
 BLOCK = 4

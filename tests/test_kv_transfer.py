@@ -41,7 +41,7 @@ def pull(sender: KVSender, shm_name, transport: str, secret: bytes, src, dst, re
     local = KVPool(SHAPE, torch.bfloat16, "cpu")
     transports, stats, inbox = NodeTransports([local]), KVStats(), TransferInbox()
     receiver = KVReceiver(transports, stats, inbox, transport, timeout_s=10, secret=secret)
-    receiver.start(LoadSpec("d-1", dst, src, request_id, "127.0.0.1", sender.port, shm_name))
+    receiver.start(LoadSpec("d-1", [dst], [src], request_id, "127.0.0.1", sender.port, shm_name))
     result = inbox.poll(timeout=30)[0]
     receiver.close()
     transports.close()
@@ -64,7 +64,7 @@ def test_a_transport_the_node_does_not_serve_is_refused(prefill_side):
     pool, held, sender, _ = prefill_side
     with socket.create_connection(("127.0.0.1", sender.port), timeout=5) as sock:
         client_handshake(sock, b"right")
-        send_msg(sock, PullRequest("req-a", [3], "carrier-pigeon", pool.layout))
+        send_msg(sock, PullRequest("req-a", [[3]], "carrier-pigeon", pool.layout))
         reply = recv_msg(sock)
     assert not reply.ok and "unknown KV transport 'carrier-pigeon'" in reply.error
     assert held.num_blocks == 4  # still held for a D that asks properly
@@ -85,7 +85,7 @@ def test_peer_that_skips_the_handshake_gets_nothing(prefill_side):
     layout = pool.layout
     with socket.create_connection(("127.0.0.1", sender.port), timeout=5) as sock:
         recv_msg(sock)  # the challenge, ignored
-        send_msg(sock, PullRequest("req-a", [3], "tcp", layout))
+        send_msg(sock, PullRequest("req-a", [[3]], "tcp", layout))
         reply = recv_msg(sock)
         assert not reply.ok  # AuthResult(ok=False)
         assert sock.recv(1 << 16) == b""  # closed: no block bytes

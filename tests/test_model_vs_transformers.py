@@ -39,10 +39,11 @@ def pdserve_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     model = llm.engine.model_runner.model
     spec, bs = llm.engine.kv_spec, llm.engine.config.block_size
     n = len(ids)
-    kv = torch.zeros(spec.pool_shape(-(-n // bs), bs), dtype=spec.dtype)
+    layer_shape = spec.pool_shape(-(-n // bs), bs)[1:]
+    kv = [torch.zeros(layer_shape, dtype=spec.dtype) for _ in range(spec.num_layers)]  # a layer's own blocks
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, n, None)])
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(n), list(kv.unbind(0)), meta)
+        hidden = model(torch.tensor(ids), torch.arange(n), kv, meta)
         return model.compute_logits(hidden)
 
 

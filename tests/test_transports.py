@@ -101,7 +101,7 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
     sender = PushSender(p_transports, p_stats, name, timeout_s=10)
     try:
         receiver.expect("d-1", DST, timeout_s=30)
-        push = PushTarget("d-1", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
+        push = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, target.shm_name)
         # Two steps (chunks), as a chunked prefill pushes them: the first three blocks, then the rest.
         push_in_chunks(sender, "p-1", push, [(SRC[:3], DST[:3]), (SRC[3:], DST[3:])], SHAPE[0])
         [result] = inbox.poll(timeout=30)
@@ -123,8 +123,8 @@ def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
     receiver = PushReceiver(d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
     sender = PushSender(p_transports, KVStats(), name, timeout_s=10)
     try:
-        push = PushTarget("nobody", DST, 0, "127.0.0.1", receiver.port, target.shm_name)
-        sender.begin_step([SaveSpec("p-1", push, SRC, DST, last=True)])
+        push = PushTarget("nobody", [DST], 0, "127.0.0.1", receiver.port, target.shm_name)
+        sender.begin_step([SaveSpec("p-1", push, [SRC], [DST], last=True)])
         sender.save_kv_layer(0)
         sender.wait_for_save()
         [(request_id, error)] = sender.failed_requests()

@@ -41,16 +41,17 @@ def rank_pools(num_kv_heads: int, tp: int, num_blocks: int, dtype: torch.dtype) 
                    shared=True, model_kv_heads=num_kv_heads) for r in range(tp)]
 
 
-def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int,
+def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[list[int]], repeats: int,
               num_tokens: int = 0) -> list[float]:
-    """Seconds per pull of `blocks`; `num_tokens` > 0: the KV ends there and sliding layers move their window."""
+    """Seconds per pull of `blocks` (a table per KV group, the same ids at both ends); `num_tokens` > 0:
+    the KV ends there and sliding groups move their window."""
     held, inbox = HeldBlocks(timeout_s=600), TransferInbox()
     sender = KVSender(p, held, KVStats(), "127.0.0.1", 0)
     receiver = KVReceiver(d, KVStats(), inbox, transport, timeout_s=60)
     seconds = []
     try:
         for i in range(repeats + 1):  # the first warms up (maps the peer's pools)
-            held.hold(f"p-{i}", blocks)
+            held.hold(f"p-{i}", sum(blocks, []))
             start = time.perf_counter()
             receiver.start(LoadSpec(f"d-{i}", blocks, blocks, f"p-{i}", "127.0.0.1", sender.port, p.pool.shm_name,
                                     num_tokens))
@@ -64,7 +65,7 @@ def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     return seconds[1:]
 
 
-def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[int], repeats: int,
+def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list[list[int]], repeats: int,
               num_tokens: int = 0) -> list[float]:
     """Seconds per push of `blocks`, every layer in one step; `num_tokens` as for time_pull."""
     inbox = TransferInbox()
@@ -73,11 +74,11 @@ def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     seconds = []
     try:
         for i in range(repeats + 1):
-            receiver.expect(f"d-{i}", blocks, timeout_s=60)
+            receiver.expect(f"d-{i}", sum(blocks, []), timeout_s=60)
             target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.pool.shm_name)
             start = time.perf_counter()
             sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True, num_tokens=num_tokens)])
-            for layer in range(p.pool.num_layers):
+            for layer in range(len(p.pool.layer_slots)):
                 sender.save_kv_layer(layer)
             sender.wait_for_save()
             [result] = inbox.poll(timeout=60)
@@ -105,7 +106,7 @@ def time_transfers(p_pools: list[KVPool], d_pools: list[KVPool], repeats: int) -
     try:
         for transport in TRANSPORTS:
             for mode, run in (("pull", time_pull), ("push", time_push)):
-                out[f"{mode}_{transport}_ms"] = 1e3 * statistics.median(run(p, d, transport, blocks, repeats))
+                out[f"{mode}_{transport}_ms"] = 1e3 * statistics.median(run(p, d, transport, [blocks], repeats))
     finally:
         p.close()
         d.close()

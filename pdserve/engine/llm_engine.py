@@ -59,7 +59,8 @@ class LLMEngine:
         self.tp.check(mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
         self.kv_spec = kv_cache_spec(mc, self.plan.torch_dtype, self.tp)  # what the model keeps per token (this rank's heads)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // self._bytes_per_block)
-        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
+        chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
+        self.max_model_len = self._max_model_len(self.kv_spec.capacity_tokens(num_blocks, config.block_size, chunk))
         # Without chunking a whole prompt must fit one step's budget.
         self.max_num_batched_tokens = (config.max_num_batched_tokens if config.enable_chunked_prefill
                                        else max(config.max_num_batched_tokens, self.max_model_len))
@@ -89,7 +90,8 @@ class LLMEngine:
         self.kv_events = KVEventLog(config.block_size)
         self.decode_steps = DecodeSteps()
         self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
+                                          tuple(group.window for group in self.kv_spec.groups))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
             self.connector, self.kv_stats, config.kv_transfer.load_failure_policy,
@@ -109,7 +111,7 @@ class LLMEngine:
 
     @property
     def _bytes_per_block(self) -> int:
-        return self.config.block_size * self.kv_spec.bytes_per_token
+        return self.config.block_size * self.kv_spec.bytes_per_block_token
 
     def _max_model_len(self, capacity: int) -> int:
         """The asked max_model_len, checked against the model and the KV pool's `capacity` tokens;
@@ -140,7 +142,8 @@ class LLMEngine:
         if kv.role == "both":
             return None, None
         held = HeldBlocks(kv.hold_timeout_s)
-        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id, self.kv_spec.layer_windows)
+        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id,
+                                         tuple(group.window for group in self.kv_spec.groups))
         worker = KVConnectorWorker(kv, held, self.kv_stats)
         connector.advertised = worker.register_kv_caches(self.pools)
         return connector, worker
@@ -268,7 +271,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
             kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_held=sum(len(req.block_ids) for req in s.held.values()),
+            kv_blocks_held=sum(self.block_manager.num_held(req) for req in s.held.values()),
             kv=self.kv_stats.snapshot(), decode=self.decode_steps,
         )
 

@@ -25,7 +25,10 @@ class ModelRunner:
         self.block_size = pool.block_size
         self.device = torch.device(device)
         self.kv_cache = pool.tensor
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.kv_caches = pool.layer_caches()
+        # Each KV group's attention window; every layer reads its group's metadata.
+        self.group_windows = [group.window for group in pool.groups]
+        self.layer_groups = [pool.layer_slots[layer][0] for layer in range(len(self.kv_caches))]
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> dict[str, int]:
@@ -34,10 +37,12 @@ class ModelRunner:
             return {}
         # Decodes first, shortest context first: they share batched SDPAs by groups of similar length.
         batch = sorted(out.scheduled, key=lambda s: (not is_decode(s), s.request.num_computed_tokens))
-        input_ids, positions, meta = self._prepare(batch)
+        input_ids, positions, metas = self._prepare(batch)
         if self.tp_workers is not None:
-            self.tp_workers.step(input_ids, positions, meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, after_layer)
+            self.tp_workers.step(input_ids, positions, metas)
+        meta = metas[0]
+        layer_metas = [metas[g] for g in self.layer_groups] if len(metas) > 1 else meta
+        hidden = self.model(input_ids, positions, self.kv_caches, layer_metas, after_layer)
         self._prompt_logprobs(batch, hidden)
         samplers, last_index, offset = [], [], 0
         for s in batch:
@@ -80,45 +85,57 @@ class ModelRunner:
                                                               [k] * (last - start)))
             offset += n
 
-    def _prepare(self, batch: list[ScheduledRequest]):
-        bs, dev = self.block_size, self.device
+    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """The step's token ids and positions, and each KV group's attention metadata."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
+        for s in batch:
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.request.token_ids[start : start + n])
+            pos.append(torch.arange(start, start + n))
+        metas = [self._group_meta(batch, g) for g in range(len(self.group_windows))]
+        return torch.tensor(ids, device=self.device), torch.cat(pos).to(self.device), metas
+
+    def _group_meta(self, batch: list[ScheduledRequest], group: int) -> AttentionMetadata:
+        """Where the step's new tokens go and what they read, in the block tables of one KV group."""
+        bs, dev = self.block_size, self.device
         slots: list[torch.Tensor] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        first = 0
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            ids.extend(req.token_ids[start : start + n])
+            block_ids = req.block_tables[group]
+            table = torch.tensor(block_ids)
             p = torch.arange(start, start + n)
-            table = torch.tensor(req.block_ids)
-            pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             if is_decode(s):
-                decode_tables.append(req.block_ids)
+                decode_tables.append(block_ids)
                 decode_lens.append(start + 1)
             else:
-                first = len(ids) - n
                 cached = table.to(dev) if start > 0 else None
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
+            first += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens),
                                  decode_kernel=self.decode_kernel)
+        window = self.group_windows[group]
         if self.batch_invariant:  # every row attends alone, in place of the chunks and groups
-            meta.prefills, meta.rows_alone = [], self._rows_alone(batch)
+            meta.prefills, meta.rows_alone = [], self._rows_alone(batch, group)
         elif self.decode_kernel is not None and decode_lens:  # one group: the kernel pads nothing
             meta.decode_groups.append(self._kernel_group(decode_tables, decode_lens))
         else:
             for start, end in decode_groups(decode_lens):
-                meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end], decode_lens[start:end]))
-        return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), meta
+                meta.decode_groups.append(self._decode_group(start, end, decode_tables[start:end],
+                                                             decode_lens[start:end], window))
+        return meta
 
-    def _rows_alone(self, batch: list[ScheduledRequest]) -> RowsAlone:
+    def _rows_alone(self, batch: list[ScheduledRequest], group: int) -> RowsAlone:
         tables, lens, sequences = [], [], []
         for s in batch:
             start, n = s.request.num_computed_tokens, s.num_new_tokens
             sequences.append((len(lens), len(lens) + n))
-            tables += [s.request.block_ids] * n
+            tables += [s.request.block_tables[group]] * n
             lens += range(start + 1, start + n + 1)
         return RowsAlone(self._padded(tables), torch.tensor(lens, device=self.device), INVARIANT_PARTITION_BLOCKS,
                          sequences)
@@ -139,14 +156,17 @@ class ModelRunner:
         return DecodeGroup(0, len(lens), padded, context_lens=torch.tensor(lens, device=self.device),
                            partition_blocks=partition)
 
-    def _decode_group(self, start: int, end: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+    def _decode_group(self, start: int, end: int, tables: list[list[int]], lens: list[int], window: int) -> DecodeGroup:
         bs, dev = self.block_size, self.device
         padded = self._padded(tables)
         width = padded.shape[1]
-        # Additive mask (0 / -inf) over the padded context, built once for all layers.
-        visible = torch.arange(width * bs, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)
+        # Additive mask (0 / -inf) over the padded context, built once for all layers of the group:
+        # past each context's end hidden, and for a sliding group what lies before its window too.
+        context = torch.tensor(lens, device=dev).unsqueeze(1)
+        positions = torch.arange(width * bs, device=dev)
+        visible = (positions < context) & (positions >= context - window) if window else positions < context
         mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-        return DecodeGroup(start, end, padded, mask[:, None, None, :], torch.tensor(lens, device=dev))
+        return DecodeGroup(start, end, padded, mask[:, None, None, :], torch.tensor(lens, device=dev), window=window)
 
 
 def is_decode(s: ScheduledRequest) -> bool:

@@ -65,10 +65,11 @@ class Request:
         self.generator = generator
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        # One block table per KV group (models/kv_spec.py), block i of the sequence at index i; a
+        # sliding group's blocks before its window are NULL_BLOCK. Empty while it holds no blocks.
+        self.block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
-        self.prefix_cacheable = True  # False: some layer's KV of its blocks is missing (a windowed load)
         # Arrival is when the server got the request (it may wait for the engine's step to end).
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
         # PD disaggregation: what the proxy asked (kv_transfer_params in), what P answers (out).
@@ -78,6 +79,11 @@ class Request:
         self.error: str | None = None  # why the request failed, when it did
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks
         self.prompt_logprobs: list[TokenLogprob | None] = []  # of each prompt token (the first: None), when asked
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV group's table (a model without sliding layers has only that one)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -124,16 +124,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             prefix = self.block_manager.match_prefix(req) if req.num_computed_tokens == 0 else []
+            # Tokens computed once the prefix hit is taken (a fork's shared blocks too).
+            cached = req.num_computed_tokens + (len(prefix[0]) if prefix else 0) * self.block_manager.block_size
             if self.connector is not None and wants_remote_prefill(req.kv_transfer_params):
-                cached = req.num_computed_tokens + len(prefix) * self.block_manager.block_size
                 if not self._start_remote_load(req, prefix, self.connector.get_num_new_matched_tokens(req, cached)):
                     break
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens - len(prefix) * self.block_manager.block_size
+            remaining = req.num_tokens - cached
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            cached = req.num_computed_tokens + len(prefix) * self.block_manager.block_size  # a fork's shared blocks too
             if not self.block_manager.allocate(req, n, prefix):
                 break
             if req.metrics.first_scheduled_time is None:
@@ -144,11 +144,11 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
 
-    def _start_remote_load(self, req: Request, prefix: list[int], external: int) -> bool:
+    def _start_remote_load(self, req: Request, prefix: list[list[int]], external: int) -> bool:
         """Reserve blocks for the remote tokens and park req until its KV has arrived."""
-        if not self.block_manager.allocate(req, external, prefix):
+        if not self.block_manager.allocate(req, external, prefix, loaded=True):
             return False
-        req.metrics.num_cached_tokens = len(prefix) * self.block_manager.block_size
+        req.metrics.num_cached_tokens = (len(prefix[0]) if prefix else 0) * self.block_manager.block_size
         req.metrics.first_scheduled_time = time.perf_counter()
         self.connector.update_state_after_alloc(req, external)
         req.kv_external_tokens = external
@@ -230,9 +230,10 @@ class Scheduler:
         """`first` has computed its prompt: its siblings take the prompt's full blocks (all but the
         block holding the last prompt token, which each computes itself) and queue at the front."""
         bs = self.block_manager.block_size
-        shared = (first.num_prompt_tokens - 1) // bs
+        prefix = self.block_manager.fork_prefix(first, (first.num_prompt_tokens - 1) // bs)
+        shared = len(prefix[0]) if prefix else 0
         for sibling in reversed(self.forks.pop(first.request_id)):
-            self.block_manager.allocate(sibling, 0, first.block_ids[:shared])  # takes references, no new blocks
+            self.block_manager.allocate(sibling, 0, prefix)  # takes references, no new blocks
             sibling.block_hashes = first.block_hashes[:shared]
             if sibling.params.prompt_logprobs is not None:  # those of the shared tokens are computed already
                 sibling.prompt_logprobs = first.prompt_logprobs[: shared * bs + 1]

@@ -58,10 +58,10 @@ class TPWorkers:
         dist.init_process_group(backend(spec.device), init_method=init, rank=0, world_size=size,
                                 timeout=timedelta(seconds=TIMEOUT_S))
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Send this step's inputs to every rank (each runs the forward with rank 0)."""
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> None:
+        """Send this step's inputs (each KV group's metadata) to every rank: each runs the forward with rank 0."""
         self.check_alive()
-        dist.broadcast_object_list([(input_ids, positions, replace(meta, decode_kernel=None))], src=0)
+        dist.broadcast_object_list([(input_ids, positions, [replace(m, decode_kernel=None) for m in metas])], src=0)
 
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -100,13 +100,15 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     pool = KVPool.for_model(kv_cache_spec(read_model_config(spec.model_dir), spec.dtype, tp), spec.num_blocks,
                             spec.block_size, spec.device,
                             shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
-    kv_caches = list(pool.tensor.unbind(0))
+    kv_caches = pool.layer_caches()
+    layer_groups = [pool.layer_slots[layer][0] for layer in range(len(kv_caches))]
     with torch.inference_mode():
         while True:
             received = [None]
             dist.broadcast_object_list(received, src=0)
             if received[0] is None:
                 break
-            input_ids, positions, meta = received[0]
-            model(input_ids, positions, kv_caches, replace(meta, decode_kernel=kernel))
+            input_ids, positions, metas = received[0]  # each KV group's
+            metas = [replace(meta, decode_kernel=kernel) for meta in metas]
+            model(input_ids, positions, kv_caches, [metas[g] for g in layer_groups])
     dist.destroy_process_group()

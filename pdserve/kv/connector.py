@@ -32,7 +32,6 @@ from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import NodeTransports
-from pdserve.models.kv_spec import first_needed_block
 from pdserve.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,7 @@ class ConnectorRequest(Protocol):
     request_id: str
     kv_transfer_params: KVTransferParams | None
     num_computed_tokens: int
-    block_ids: list[int]
-    prefix_cacheable: bool  # False once some layer's KV of its blocks never arrived (a windowed load)
+    block_tables: list[list[int]]  # one per KV group (models/kv_spec.py)
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -70,7 +68,7 @@ class ExpectSpec:
     """D, push mode: blocks reserved for a push, and the proxy to tell where to push."""
 
     request_id: str
-    block_ids: list[int]  # D's blocks for the prompt (all, from block 0)
+    block_ids: list[list[int]]  # D's blocks for the prompt (all, from block 0), a table per KV group
     first_block: int  # blocks before this one are D's own prefix-cache hits
     metaserver: str
     proxy_request_id: str
@@ -97,10 +95,10 @@ class FinishedTransfers:
 
 class KVConnectorScheduler:
     def __init__(self, config: KVTransferConfig, block_size: int, held: HeldBlocks, engine_id: str,
-                 layer_windows: tuple[int, ...] = ()) -> None:
+                 group_windows: tuple[int, ...] = (0,)) -> None:
         self.config = config
         self.block_size = block_size
-        self.layer_windows = layer_windows  # the model's (KVCacheSpec): sliding layers load their window only
+        self.num_groups = len(group_windows)  # the model's KV groups: a block table each (models/kv_spec.py)
         self.held = held
         self.engine_id = engine_id
         self.advertised: dict[str, Any] = {}  # host / port / shm name of this node's side channel
@@ -130,8 +128,11 @@ class KVConnectorScheduler:
 
     def _require_blocks(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
         needed = -(-max(num_prompt_tokens - 1, 0) // self.block_size)
-        if len(params.remote_block_ids) < needed:
-            raise InvalidParameter("kv_transfer_params", f"remote_block_ids must list {needed} block ids for this prompt")
+        ids, groups = len(params.remote_block_ids), self.num_groups
+        if ids % groups or ids // groups < needed:
+            tables = f" for each of the model's {groups} KV groups, one table after another" if groups > 1 else ""
+            raise InvalidParameter("kv_transfer_params",
+                                   f"remote_block_ids must list {needed} block ids{tables} for this prompt")
 
     # -- D: loads -------------------------------------------------------------------------------
 
@@ -150,24 +151,20 @@ class KVConnectorScheduler:
         params, bs = req.kv_transfer_params, self.block_size
         first = req.num_computed_tokens // bs
         last = -(-(req.num_computed_tokens + num_external_tokens) // bs)
-        num_tokens = req.num_computed_tokens + num_external_tokens
-        if any(first_needed_block(w, num_tokens, bs) > first for w in self.layer_windows):
-            # Its sliding layers' blocks before their window stay empty here: never a prefix to share.
-            req.prefix_cacheable = False
         if params.is_push:
-            self._expects.append(ExpectSpec(req.request_id, req.block_ids[:last], first, params.metaserver,
-                                            params.proxy_request_id))
+            self._expects.append(ExpectSpec(req.request_id, [t[:last] for t in req.block_tables], first,
+                                            params.metaserver, params.proxy_request_id))
             return
         self._pending.append(
             LoadSpec(
                 request_id=req.request_id,
-                local_block_ids=req.block_ids[first:last],
-                remote_block_ids=params.remote_block_ids[first:last],
+                local_block_ids=[t[first:last] for t in req.block_tables],
+                remote_block_ids=[t[first:last] for t in split_tables(params.remote_block_ids, self.num_groups)],
                 remote_request_id=params.remote_request_id,
                 remote_host=params.remote_host,
                 remote_port=params.remote_port,
                 remote_shm_name=params.remote_shm_name,
-                num_tokens=num_tokens if self.layer_windows else 0,
+                num_tokens=req.num_computed_tokens + num_external_tokens,
                 first_block=first,
             )
         )
@@ -201,18 +198,19 @@ class KVConnectorScheduler:
                 continue  # decoding on P: nothing more to push
             progress = self._pushing.get(req.request_id)
             if progress is None:
-                target = PushTarget(params.remote_request_id, params.remote_block_ids, params.remote_first_block,
-                                    params.remote_host, params.remote_port, params.remote_shm_name)
+                target = PushTarget(params.remote_request_id, split_tables(params.remote_block_ids, self.num_groups),
+                                    params.remote_first_block, params.remote_host, params.remote_port,
+                                    params.remote_shm_name)
                 progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
             # D needs the KV of tokens [0, n - 1); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
             useful_end = min(end, n - 1)
             first, last = progress.next_block, -(-useful_end // bs)
-            src = req.block_ids[first:last] if last > first else []
-            dst = progress.target.block_ids[first:last] if last > first else []
+            src = [t[first:last] for t in req.block_tables]
+            dst = [t[first:last] for t in progress.target.block_ids]
             progress.next_block = max(first, useful_end // bs)
-            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n,
-                                  num_tokens=n - 1 if self.layer_windows else 0, first_block=first))
+            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n, num_tokens=n - 1,
+                                  first_block=first))
         return saves
 
     # -- P: holds -------------------------------------------------------------------------------
@@ -235,7 +233,7 @@ class KVConnectorScheduler:
             return False, None  # pushed during the forward pass: nothing to hold
         if req.finish_reason not in ("stop", "length"):
             return False, None  # aborted: nobody will pull
-        blocks = req.block_ids[: -(-req.num_prompt_tokens // self.block_size)]
+        blocks = join_tables([t[: -(-req.num_prompt_tokens // self.block_size)] for t in req.block_tables])
         self.held.hold(req.request_id, blocks)
         return True, KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks, remote_engine_id=self.engine_id,
                                       remote_request_id=req.request_id, **self.advertised)
@@ -283,7 +281,8 @@ class KVConnectorWorker:
         for spec in meta.releases:
             self.receiver.release(spec)
         for spec in meta.expects:
-            self.push_receiver.expect(spec.request_id, spec.block_ids[spec.first_block:], self.config.wait_timeout_s)
+            self.push_receiver.expect(spec.request_id, join_tables([t[spec.first_block:] for t in spec.block_ids]),
+                                      self.config.wait_timeout_s)
             self._announcer.submit(self._announce, spec, advertised)
         for rid in meta.push_aborts:
             self.pusher.abort(rid)
@@ -293,7 +292,8 @@ class KVConnectorWorker:
     def _announce(self, spec: ExpectSpec, advertised: dict[str, Any]) -> None:
         """Tell the proxy's meta endpoint where P should push (D's request, blocks, address)."""
         body = KVTransferParams(proxy_request_id=spec.proxy_request_id, remote_request_id=spec.request_id,
-                                remote_block_ids=spec.block_ids, remote_first_block=spec.first_block, **advertised)
+                                remote_block_ids=join_tables(spec.block_ids), remote_first_block=spec.first_block,
+                                **advertised)
         try:
             response = self._http.post(spec.metaserver, json=body.to_wire())
             response.raise_for_status()
@@ -324,6 +324,18 @@ class KVConnectorWorker:
                 part.close()
         if self.transports is not None:
             self.transports.close()
+
+
+def join_tables(tables: list[list[int]]) -> list[int]:
+    """Block tables (one per KV group, equally long) as kv_transfer_params' one flat
+    remote_block_ids: the groups' tables one after another (a model without sliding layers has one)."""
+    return [b for table in tables for b in table]
+
+
+def split_tables(block_ids: list[int], num_groups: int) -> list[list[int]]:
+    """The inverse of `join_tables` (the length is checked on arrival: a multiple of num_groups)."""
+    n = len(block_ids) // num_groups
+    return [block_ids[g * n : (g + 1) * n] for g in range(num_groups)]
 
 
 def new_engine_id() -> str:

@@ -32,7 +32,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     kv_mode: str | None = None  # "push" for layer-wise push; pull otherwise
     remote_engine_id: str | None = None
     remote_request_id: str | None = None  # the peer's request id (P's in pull, D's in push)
-    remote_block_ids: list[BlockId] | None = None  # the peer's blocks for the prompt, from block 0
+    # The peer's blocks for the prompt, from block 0; with several KV groups (sliding-window
+    # layers, models/kv_spec.py) each group's table in turn, all equally long.
+    remote_block_ids: list[BlockId] | None = None
     remote_host: str | None = None  # the peer's KV side channel
     remote_port: int | None = None
     remote_shm_name: str | None = None  # the peer's pool in shared memory (same-host transports)

@@ -1,5 +1,7 @@
 """The KV pool: one tensor `[layer, plane, block, slot, kv_head, head_dim]`, optionally in shared
-memory, shaped by the model's `KVCacheSpec` (planes are K and V for Llama-family attention).
+memory, shaped by the model's `KVCacheSpec` (planes are K and V for Llama-family attention). With
+sliding-window layers its first dim is layer slots: each KV group's layers take one slot each, and
+a block id belongs to one group at a time (models/kv_spec.py).
 
 A block of one layer's plane is a contiguous `block_bytes` slice, so a transfer of whole blocks is
 a list of (offset, length) segments over the pool's bytes, in the canonical order (layer, plane,
@@ -20,7 +22,7 @@ import torch
 
 from pdserve.kv.protocol import KVLayout
 from pdserve.procinfo import pool_name, remove_dead_pools
-from pdserve.models.kv_spec import KVCacheSpec, first_needed_block
+from pdserve.models.kv_spec import KVCacheSpec, first_needed_block, kv_groups
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
@@ -86,6 +88,11 @@ class KVPool:
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers, self.num_planes, self.num_blocks, self.block_size, self.num_kv_heads = shape[:5]
+        # The model's layers by KV group (models/kv_spec.py): layer groups[g].layers[i] is slot i of
+        # dim 0 (num_layers counts slots), and reads the block ids of the request's table g.
+        self.groups = kv_groups(layer_windows, len(layer_windows) or self.num_layers)
+        self.layer_slots = {layer: (g, slot) for g, group in enumerate(self.groups)
+                            for slot, layer in enumerate(group.layers)}
         self.model_kv_heads = model_kv_heads or self.num_kv_heads  # this pool holds a TP rank's share of them
         self.block_bytes = nbytes // (self.num_layers * self.num_planes * self.num_blocks)
         self.head_bytes = self.block_bytes // (self.block_size * self.num_kv_heads)  # one head of one slot
@@ -113,7 +120,8 @@ class KVPool:
         return memoryview(self.tensor.view(-1).view(torch.uint8).numpy())
 
     def segments(self, block_ids: list[int], layers: range | None = None) -> list[tuple[int, int]]:
-        """(offset, length) of the bytes of `block_ids`, in canonical (layer, plane, block) order."""
+        """(offset, length) of the bytes of `block_ids` in layer slots `layers` (all by default), in
+        canonical (slot, plane, block) order."""
         bb, nb, planes = self.block_bytes, self.num_blocks, self.num_planes
         runs = block_runs(block_ids)
         return [
@@ -123,25 +131,22 @@ class KVPool:
             for first, count in runs
         ]
 
-    def layer_runs(self, num_tokens: int, first_block: int, count: int) -> list[tuple[range, int]]:
-        """What a transfer of `count` blocks (blocks first_block.. of a sequence whose KV then ends at
-        `num_tokens`) moves of each layer: runs of consecutive layers that skip the same number of
-        leading blocks, [(layers, skip)]. A sliding layer skips the blocks before its window, which
-        it never reads again; without windows (or num_tokens 0) one run moves every block."""
-        if not self.layer_windows or not num_tokens:
-            return [(range(self.num_layers), 0)]
-        runs: list[tuple[range, int]] = []
-        for layer in range(self.num_layers):
-            skip = self.layer_skip(layer, num_tokens, first_block, count)
-            if runs and runs[-1][1] == skip:
-                runs[-1] = (range(runs[-1][0].start, layer + 1), skip)
-            else:
-                runs.append((range(layer, layer + 1), skip))
-        return [(layers, skip) for layers, skip in runs if skip < count]
+    def layer_caches(self) -> list[torch.Tensor]:
+        """Each model layer's [plane, block, slot, kv_head, head_dim] view (its group's slot)."""
+        return [self.tensor[self.layer_slots[layer][1]] for layer in range(len(self.layer_slots))]
 
-    def layer_skip(self, layer: int, num_tokens: int, first_block: int, count: int) -> int:
-        """How many of such a transfer's leading blocks `layer` skips (count: all of them)."""
-        window = self.layer_windows[layer] if self.layer_windows and num_tokens else 0
+    def group_runs(self, num_tokens: int, first_block: int, count: int) -> list[tuple[int, range, int]]:
+        """What a transfer of `count` blocks of each group's table (blocks first_block.. of a sequence
+        whose KV then ends at `num_tokens`) moves: [(group, its layer slots, leading blocks skipped)].
+        A sliding group skips the blocks before its window, which it never reads again (and may no
+        longer hold); one without anything left to move is left out."""
+        runs = [(g, range(len(group.layers)), self.group_skip(g, num_tokens, first_block, count))
+                for g, group in enumerate(self.groups)]
+        return [run for run in runs if run[2] < count]
+
+    def group_skip(self, group: int, num_tokens: int, first_block: int, count: int) -> int:
+        """How many of such a transfer's leading blocks `group` skips (count: all of them)."""
+        window = self.groups[group].window
         return min(count, max(0, first_needed_block(window, num_tokens, self.block_size) - first_block))
 
     def nbytes(self, block_ids: list[int], layers: range | None = None, heads: range | None = None) -> int:

@@ -51,12 +51,12 @@ class KVLayout(msgspec.Struct, frozen=True):
 
 class PullRequest(msgspec.Struct, tag=True):
     request_id: str  # P's request id (remote_request_id)
-    block_ids: list[int]  # P's block ids to read, in order
+    block_ids: list[list[int]]  # P's block ids to read, in order, a table per KV group (models/kv_spec.py)
     transport: str  # a registered transport's name
     layout: KVLayout
     tp_size: int = 1  # D's: with P's, it fixes the read plan (kv/tp_plan.py)
-    # Sliding layers (layout.layer_windows) move only their window: the KV ends at num_tokens (0:
-    # every layer moves every block), and block_ids[0] is block first_block of the sequence.
+    # Sliding groups (layout.layer_windows) move only their window: the KV ends at num_tokens (0:
+    # every group moves every block), and each table's first entry is block first_block of the sequence.
     num_tokens: int = 0
     first_block: int = 0
 
@@ -92,8 +92,9 @@ class PushBegin(msgspec.Struct, tag=True):
 
 
 class PushLayers(msgspec.Struct, tag=True):
-    """P -> D: layers [first_layer, first_layer + num_layers) of `block_ids` (D's ids), written over
-    the session's transport (tcp: the bytes follow; shm: already copied)."""
+    """P -> D: layer slots [first_layer, first_layer + num_layers) of `block_ids` (D's ids, of the
+    KV group those slots hold here), written over the session's transport (tcp: the bytes follow;
+    shm: already copied)."""
 
     first_layer: int
     num_layers: int

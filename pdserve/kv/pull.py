@@ -43,7 +43,7 @@ class KVSender:
             send_msg(conn, Ack(ok=self.held.release(req.request_id)))
             return
         serving = self.transports.to_serve(req.transport, req.layout, req.tp_size, producer=True)
-        error = serving if isinstance(serving, str) else self.held.pin(req.request_id, req.block_ids)
+        error = serving if isinstance(serving, str) else self.held.pin(req.request_id, sum(req.block_ids, []))
         if error:
             send_msg(conn, PullReply(ok=False, error=error))
             return
@@ -54,9 +54,9 @@ class KVSender:
             start = time.perf_counter()
             send_msg(conn, PullReply(ok=True, shm_names=pools.shm_names, pool_num_blocks=pools.pool.num_blocks,
                                      tp_size=pools.tp_size))
-            runs = pools.pool.layer_runs(req.num_tokens, req.first_block, len(req.block_ids))
-            sent = sum(transport.serve_read(conn, piece, req.block_ids[skip:], layers)
-                       for piece in plan for layers, skip in runs)
+            runs = pools.pool.group_runs(req.num_tokens, req.first_block, len(req.block_ids[0]))
+            sent = sum(transport.serve_read(conn, piece, req.block_ids[group][skip:], slots)
+                       for piece in plan for group, slots, skip in runs)
             reply = recv_msg(conn)
             done = isinstance(reply, PullDone) and reply.ok
         finally:
@@ -74,14 +74,14 @@ class LoadSpec:
     """One request's blocks to fetch from a P."""
 
     request_id: str  # D's request id
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
+    local_block_ids: list[list[int]]  # a table per KV group, all equally long
+    remote_block_ids: list[list[int]]
     remote_request_id: str
     remote_host: str
     remote_port: int
     remote_shm_name: str | None = None
-    num_tokens: int = 0  # the sequence's KV ends here once loaded (0: every layer takes every block)
-    first_block: int = 0  # local_block_ids[0] is this block of the sequence
+    num_tokens: int = 0  # the sequence's KV ends here once loaded (0: every group takes every block)
+    first_block: int = 0  # each table's first entry is this block of the sequence
 
 
 class KVReceiver:
@@ -121,11 +121,11 @@ class KVReceiver:
             if not isinstance(reply, PullReply) or not reply.ok:
                 raise ProtocolError(getattr(reply, "error", None) or "unexpected reply")
             peer = PeerPool(spec.remote_host, tuple(reply.shm_names), reply.pool_num_blocks, reply.tp_size)
-            runs = pools.pool.layer_runs(spec.num_tokens, spec.first_block, len(spec.local_block_ids))
+            runs = pools.pool.group_runs(spec.num_tokens, spec.first_block, len(spec.local_block_ids[0]))
             # Every D rank's share, piece by piece, over this one connection: PullDone means all have it.
-            nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids[skip:], spec.local_block_ids[skip:],
-                                        layers)
-                         for piece in pools.pieces(reply.tp_size, producer=False) for layers, skip in runs)
+            nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids[group][skip:],
+                                        spec.local_block_ids[group][skip:], slots)
+                         for piece in pools.pieces(reply.tp_size, producer=False) for group, slots, skip in runs)
             send_msg(sock, PullDone(spec.remote_request_id))
             if not isinstance(recv_msg(sock), Ack):
                 raise ProtocolError("P did not acknowledge the pull")

@@ -50,7 +50,7 @@ class PushTarget:
     """Where a P request's KV goes: D's request, its blocks and its side channel."""
 
     request_id: str  # D's
-    block_ids: list[int]  # D's blocks for the prompt, block index i <-> P's block i
+    block_ids: list[list[int]]  # D's blocks for the prompt, a table per KV group: block i <-> P's block i
     first_block: int  # D already holds blocks before this one (its prefix cache)
     host: str
     port: int
@@ -63,13 +63,17 @@ class SaveSpec:
 
     request_id: str  # P's
     target: PushTarget
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
+    src_block_ids: list[list[int]]  # a table per KV group, all equally long
+    dst_block_ids: list[list[int]]
     last: bool
-    # Sliding layers push only their window of the prompt's KV, which ends at num_tokens (0: every
-    # layer pushes every block); src_block_ids[0] is block first_block of the sequence.
+    # Sliding groups push only their window of the prompt's KV, which ends at num_tokens (0: every
+    # group pushes every block); each table's first entry is block first_block of the sequence.
     num_tokens: int = 0
     first_block: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_block_ids[0]) if self.src_block_ids else 0
 
 
 @dataclass
@@ -118,7 +122,7 @@ class PushSender:
     def save_kv_layer(self, layer: int) -> None:
         """The forward pass has just written `layer`: push that layer of every pushing request."""
         for spec, session in self._step:
-            if session.error or not spec.src_block_ids:
+            if session.error or not spec.num_blocks:
                 continue
             if session.transport.copies_inline:
                 self._push_layer(spec, session, layer)
@@ -131,7 +135,7 @@ class PushSender:
         self._tasks.put((lambda *_: barrier.set(), None, None, None))
         barrier.wait()
         for spec, session in self._step:
-            if session.error is None and session.transport.copies_inline and spec.src_block_ids:
+            if session.error is None and session.transport.copies_inline and spec.num_blocks:
                 self._announce_copied(spec, session)
             if spec.last:
                 self._sessions.pop(spec.request_id, None)
@@ -183,24 +187,27 @@ class PushSender:
         try:
             if _peer_cancelled(session.sock):
                 raise ProtocolError("decode node cancelled the push")
-            skip = self.transports.pool.layer_skip(layer, spec.num_tokens, spec.first_block, len(spec.src_block_ids))
-            if skip == len(spec.src_block_ids):  # a sliding layer: these blocks are before its window
+            pool = self.transports.pool
+            group, slot = pool.layer_slots[layer]
+            skip = pool.group_skip(group, spec.num_tokens, spec.first_block, spec.num_blocks)
+            if skip == spec.num_blocks:  # a sliding layer: these blocks are before its window
                 return
+            src, dst = spec.src_block_ids[group][skip:], spec.dst_block_ids[group][skip:]
             if not session.transport.copies_inline:  # the bytes follow the message on the connection
-                send_msg(session.sock, PushLayers(layer, 1, spec.dst_block_ids[skip:]))
+                send_msg(session.sock, PushLayers(slot, 1, dst))
             for piece in session.pieces:
-                session.nbytes += session.transport.write(session.sock, session.peer, piece, spec.src_block_ids[skip:],
-                                                          spec.dst_block_ids[skip:], range(layer, layer + 1))
+                session.nbytes += session.transport.write(session.sock, session.peer, piece, src, dst,
+                                                          range(slot, slot + 1))
         except (OSError, ProtocolError) as exc:
             self._fail(spec.request_id, session, str(exc))
 
     def _announce_copied(self, spec: SaveSpec, session: _Session) -> None:
-        """A memcpy transport wrote every layer of this chunk: one message per run of layers that
-        skip the same blocks (one in all, without sliding layers) tells D which blocks."""
-        runs = self.transports.pool.layer_runs(spec.num_tokens, spec.first_block, len(spec.dst_block_ids))
+        """A memcpy transport wrote every layer of this chunk: one message per KV group (one in all,
+        without sliding layers) tells D which blocks."""
+        runs = self.transports.pool.group_runs(spec.num_tokens, spec.first_block, spec.num_blocks)
         try:
-            for layers, skip in runs:
-                send_msg(session.sock, PushLayers(layers.start, len(layers), spec.dst_block_ids[skip:]))
+            for group, slots, skip in runs:
+                send_msg(session.sock, PushLayers(slots.start, len(slots), spec.dst_block_ids[group][skip:]))
         except OSError as exc:
             self._fail(spec.request_id, session, str(exc))
 

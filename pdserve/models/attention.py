@@ -39,6 +39,7 @@ class DecodeGroup:
     mask: torch.Tensor | None = None  # SDPA: additive 0 / -inf, [n, 1, 1, max_blocks * block_size]
     context_lens: torch.Tensor | None = None  # [n] int64 (the C++ kernel's input; SDPA's window mask)
     partition_blocks: int = 0  # the C++ kernel: context blocks per work unit
+    window: int = 0  # SDPA: the mask already hides what lies before this window (a sliding group's)
 
 
 @dataclass
@@ -104,7 +105,7 @@ def paged_attention(
         keys, values = gather_blocks(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
         query = q[group.start : group.end].unsqueeze(2)  # [B, H, 1, D]
         mask = group.mask
-        if window:  # positions before each row's window hidden too
+        if window and group.window != window:  # positions before each row's window hidden too
             before = torch.arange(keys.shape[2], device=q.device) < (group.context_lens - window).unsqueeze(1)
             mask = mask.masked_fill(before[:, None, None, :], float("-inf"))
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

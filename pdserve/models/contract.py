@@ -53,7 +53,8 @@ class CausalLM(Protocol):
 
     # -- every step ----------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, after_layer: LayerHook | None = None) -> torch.Tensor:
-        """Final-norm hidden states of the step's tokens (float32), KV written into kv_caches."""
+                 meta: AttentionMetadata | list[AttentionMetadata], after_layer: LayerHook | None = None) -> torch.Tensor:
+        """Final-norm hidden states of the step's tokens (float32), KV written into kv_caches; `meta`
+        for every layer, or each layer's (that of its KV group, models/kv_spec.py)."""
     def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         """float32 logits; the first `decode_rows` rows are decodes."""

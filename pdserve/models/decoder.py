@@ -50,7 +50,7 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],  # one for every layer, or each layer's (its KV group's)
         after_layer: LayerHook | None = None,
     ) -> torch.Tensor:
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
@@ -58,8 +58,9 @@ class DecoderLM(nn.Module):
         residual = self.embed(input_ids)
         rotations = self.rotations(positions)
         delta = None
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         for i, layer in enumerate(self.layers):
-            delta = layer(residual, delta, rotations[i], kv_caches[i], meta)
+            delta = layer(residual, delta, rotations[i], kv_caches[i], metas[i])
             if after_layer is not None:
                 after_layer(i)
         return self.norm(delta, residual)
