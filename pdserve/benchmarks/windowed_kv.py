@@ -1,6 +1,6 @@
 """What a PD transfer of Gemma 3 270M moves: each sliding layer's window against every layer in full.
 
-    python -m pdserve.benchmarks.windowed_kv [--prompt-lens 512 2048 8192] [--repeats 10]
+    python -m pdserve.benchmarks.windowed_kv [--prompt-lens 512 2048 8192] [--repeats 30]
 
 Gemma 3 270M keeps K and V of one KV head (head dim 256) in 18 layers, 15 of them sliding (window
 512). D needs the global layers' KV of the whole prompt but a sliding layer's only for its last
@@ -30,6 +30,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.models.locate import resolve_model_dir
 from pdserve.models.registry import model_class, read_model_config
+from pdserve.platform import CpuInfo
 from pdserve.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -84,7 +85,7 @@ def measure(spec, prompt_len: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", default="docs/results/windowed_kv.json")
     args = parser.parse_args()
     config = read_model_config(resolve_model_dir("gemma-3-270m"))
@@ -92,7 +93,8 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d"), "layer_windows": list(spec.layer_windows), "block_size": BLOCK,
            "lengths": {str(n): measure(spec, n, args.repeats) for n in args.prompt_lens}}
     sliding = sum(1 for w in spec.layer_windows if w)
-    lines = [f"Command: `python -m pdserve.benchmarks.windowed_kv` ({res['date']}; Gemma 3 270M's KV layout: "
+    res["cpu"] = CpuInfo.detect().model
+    lines = [f"Command: `python -m pdserve.benchmarks.windowed_kv` ({res['date']}, {res['cpu']}; Gemma 3 270M's KV layout: "
              f"{spec.num_layers} layers, {sliding} sliding with a window of {max(spec.layer_windows)}, one KV head of "
              f"{spec.head_dim}, bfloat16, blocks of {BLOCK}; median of {args.repeats}; both ends in this process). "
              "Windowed: the global layers' blocks and each sliding layer's last window; full: every layer's every "
