@@ -136,3 +136,40 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_removed(tmp_path):
     remove_stale_lock(fresh)
     remove_stale_lock(tmp_path / "none" / "lock")  # no lock: nothing to do
     assert not stale.exists() and fresh.exists()
+
+
+@pytest.mark.parametrize("window", [8, 40, 300])
+@pytest.mark.parametrize("cached", [0, 37, 200], ids=["fresh", "cached37", "cached200"])
+def test_a_sliding_prefill_in_tiles_equals_one_masked_attention(window, cached, monkeypatch):
+    """A sliding layer's prefill chunk attends in query tiles, each over the keys its window reaches
+    (gathered from the block of the first query's window on): equal to one attention over the
+    whole context with the band mask, for chunks after `cached` tokens already in the pool (their
+    blocks before the window are the null block, NaN here: never read)."""
+    import pdserve.models.attention as attention
+
+    monkeypatch.setattr(attention, "PREFILL_TILE", 16)  # many tiles, each shorter than some windows
+    torch.manual_seed(window + cached)
+    heads, kv_heads, head_dim, block_size, n = 4, 2, 32, 16, 150
+    ctx = cached + n
+    width = -(-ctx // block_size)
+    kv_cache = torch.zeros(2, width + 1, block_size, kv_heads, head_dim)
+    table = torch.arange(1, width + 1)  # block 0 stays the null block
+    k, v = torch.randn(ctx, kv_heads, head_dim), torch.randn(ctx, kv_heads, head_dim)
+    slots = table[torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
+    kv_cache[0].view(-1, kv_heads, head_dim)[slots] = k
+    kv_cache[1].view(-1, kv_heads, head_dim)[slots] = v
+    first_read = max(0, cached - window + 1) // block_size
+    table[:first_read] = 0
+    kv_cache[:, 0] = float("nan")
+    q = torch.randn(n, heads, head_dim)
+    scale = head_dim**-0.5
+    chunk = attention.PrefillChunk(0, n, ctx, table if cached else None)
+    meta = AttentionMetadata(slot_mapping=slots[cached:], prefills=[chunk])
+    out = paged_attention(q, k[cached:], v[cached:], kv_cache, meta, scale, window)
+    # Reference: float64, every query over the whole context with the band mask.
+    keys, values = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    offset = torch.arange(ctx).unsqueeze(0) - torch.arange(cached, ctx).unsqueeze(1)
+    scores = scores.masked_fill(~((offset <= 0) & (offset > -window)), float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

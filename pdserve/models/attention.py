@@ -112,28 +112,54 @@ def paged_attention(
         out[group.start : group.end] = o.squeeze(2)
     # Prefill chunks use 4-D [1, H, n, D] inputs: SDPA's fused CPU kernel only takes 4-D, and the
     # 3-D fallback is about 8x slower on long prompts.
+    block_size = kv_cache.shape[2]
     for chunk in meta.prefills:
         query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         n, ctx = chunk.end - chunk.start, chunk.context_len
+        first_key = 0  # the position of keys[..., 0, :]
         if chunk.block_table is None:
             keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         else:
-            keys, values = gather_blocks(kv_cache, chunk.block_table)[:, :ctx].transpose(1, 2).unsqueeze(1)
-        if chunk.block_table is None and not window:
-            o = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scale, enable_gqa=True
-            )
+            # A sliding layer gathers from the block of its first query's window on (the earlier
+            # blocks of its table are the null block).
+            first_block = max(0, ctx - n - window + 1) // block_size if window else 0
+            first_key = first_block * block_size
+            keys, values = gather_blocks(kv_cache, chunk.block_table[first_block:])[:, : ctx - first_key].transpose(
+                1, 2).unsqueeze(1)
+        if window:
+            o = _windowed_prefill(query, keys, values, ctx - n, first_key, window, scale)
+        elif chunk.block_table is None:
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal),
-            # and with a window, none `window` or more positions back.
+            # Query i sits at position ctx - n + i and sees keys up to there (bottom-right causal).
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-            if window:
-                mask = mask.triu(ctx - n - window + 1)
-            o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+PREFILL_TILE = 256  # a sliding layer's prefill: at least this many queries per SDPA
+
+
+def _windowed_prefill(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_query: int,
+                      first_key: int, window: int, scale: float) -> torch.Tensor:
+    """A sliding layer's prefill chunk ([1, H, n, D] queries at positions first_query.., keys from
+    position first_key on) in tiles of queries, each over only the keys its window reaches: work and
+    masks of n x (tile + window), not n x context."""
+    n, tile = query.shape[2], max(window, PREFILL_TILE)
+    out = torch.empty_like(query)
+    for start in range(0, n, tile):
+        end = min(n, start + tile)
+        lo = max(first_key, first_query + start - window + 1)  # the tile's first query's window start
+        hi = first_query + end  # its last query's own position, exclusive
+        # Key position minus query position: visible in (-window, 0].
+        offset = (torch.arange(lo, hi, device=query.device).unsqueeze(0) -
+                  torch.arange(first_query + start, first_query + end, device=query.device).unsqueeze(1))
+        mask = (offset <= 0) & (offset > -window)
+        out[:, :, start:end] = F.scaled_dot_product_attention(
+            query[:, :, start:end], keys[:, :, lo - first_key : hi - first_key],
+            values[:, :, lo - first_key : hi - first_key], attn_mask=mask, scale=scale, enable_gqa=True)
     return out
 
 
