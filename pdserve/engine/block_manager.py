@@ -113,10 +113,11 @@ class BlockManager:
         firsts = [self._first_needed(g, end if loaded else start) for g in range(len(self.group_windows))]
         for g, first in enumerate(firsts):  # blocks that left a sliding window go back to the pool
             table = req.block_tables[g]
-            for i in range(min(first, len(table))):
-                if self._real(table[i]):
-                    self._release(table[i])
-                    table[i] = NULL_BLOCK
+            i = min(first, len(table)) - 1
+            while i >= 0 and self._real(table[i]):  # what left earlier is null already: stop there
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+                i -= 1
         # The prefix's blocks each group keeps: those at or after its first needed one.
         kept = [[b if self._real(b) and i >= firsts[g] else None for i, b in enumerate(prefix[g], len(table))]
                 for g, table in enumerate(req.block_tables)] if hit else []

@@ -99,7 +99,7 @@ class ModelRunner:
     def _group_meta(self, batch: list[ScheduledRequest], group: int) -> AttentionMetadata:
         """Where the step's new tokens go and what they read, in the block tables of one KV group."""
         bs, dev = self.block_size, self.device
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []  # plain ints: one tensor per group and step (there are several groups)
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
@@ -107,18 +107,16 @@ class ModelRunner:
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             block_ids = req.block_tables[group]
-            table = torch.tensor(block_ids)
-            p = torch.arange(start, start + n)
-            slots.append(table[p // bs] * bs + p % bs)
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             if is_decode(s):
                 decode_tables.append(block_ids)
                 decode_lens.append(start + 1)
             else:
-                cached = table.to(dev) if start > 0 else None
+                cached = torch.tensor(block_ids, device=dev) if start > 0 else None
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
             first += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, num_decodes=len(decode_lens),
-                                 decode_kernel=self.decode_kernel)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills,
+                                 num_decodes=len(decode_lens), decode_kernel=self.decode_kernel)
         window = self.group_windows[group]
         if self.batch_invariant:  # every row attends alone, in place of the chunks and groups
             meta.prefills, meta.rows_alone = [], self._rows_alone(batch, group)
