@@ -32,6 +32,8 @@ import time
 import torch
 
 from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.step_profile import markdown as step_markdown
+from pdserve.benchmarks.step_profile import profile_decode
 from pdserve.models.locate import default_model_name
 from pdserve.platform import CPU_ENV, CpuInfo
 from pdserve.procinfo import rss_mib
@@ -306,7 +308,14 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/engine.json")
     parser.add_argument("--section", default="engine", help="the section of docs/benchmarks.md to rewrite")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: where a decode step's time goes, by op kind and by layer, at batch 1 / 8 / 32 "
+                             "and context 128 / 2048, on the default path (and each of --dtypes given), into "
+                             "docs/results/engine_breakdown.json and its section of docs/benchmarks.md")
     args = parser.parse_args()
+    if args.breakdown:
+        run_breakdown(args, explicit_dtypes="--dtypes" in sys.argv)
+        return
 
     if args.only:  # child process: one system, one dtype, JSON on the last stdout line
         torch.set_num_threads(args.threads)
@@ -351,6 +360,37 @@ def main() -> None:
         title = "Engine: pdserve vs transformers" + (f", {results['meta']['model']}" if args.model else "") + (
             f" ({env})" if env else "")
         publish(results, args.out, args.section, title, table)
+
+
+BREAKDOWN_BATCHES, BREAKDOWN_CONTEXTS = (1, 8, 32), (128, 2048)
+
+
+def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
+    torch.set_num_threads(args.threads)
+    cpu = CpuInfo.detect()
+    configs = [("auto", "auto")] + ([(d, "none") for d in args.dtypes] if explicit_dtypes else [])
+    results = {"meta": {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "isa": cpu.isa,
+                        "flags": sorted(f for f in cpu.flags if f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")),
+                        "threads": args.threads, "torch": torch.__version__, "model": default_model_name(args.model)},
+               "configs": {}}
+    for dtype, quantization in configs:
+        config = profile_decode(args.model, dtype, quantization, BREAKDOWN_BATCHES, BREAKDOWN_CONTEXTS)
+        labels = config["engine"]
+        results["configs"][f"{labels['dtype']} + {labels['quantization']} ({labels['attention']})"] = config
+    meta = results["meta"]
+    lines = [f"Command: `python -m pdserve.benchmarks.engine --breakdown"
+             f"{f' --model {args.model}' if args.model else ''}"
+             f"{' --dtypes ' + ' '.join(args.dtypes) if explicit_dtypes else ''}` ({meta['date']}; {meta['cpu']}, "
+             f"{', '.join(meta['flags'])}; {args.threads} thread(s); {meta['model']}). Milliseconds per decode step: "
+             "the step's wall time (engine.step, median of 8), then each kind's own op time under torch's profiler "
+             "(pdserve's C++ kernels as annotations), and the overhead: wall time minus all ops (Python, scheduling, "
+             "metadata, dispatch). Layers: each decoder layer's wall time (hooks), min / median / max.", "",
+             *step_markdown(results["configs"])]
+    if args.no_docs:
+        print("\n".join(lines))
+    else:
+        publish(results, "docs/results/engine_breakdown.json", "engine_breakdown",
+                "Engine: where a decode step's time goes (issue 35)", "\n".join(lines))
 
 
 if __name__ == "__main__":

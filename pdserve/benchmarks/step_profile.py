@@ -1,0 +1,142 @@
+"""Where a decode step's time goes (`python -m pdserve.benchmarks.engine --breakdown`).
+
+For a batch of sequences decoding at a given context: the step's wall time (engine.step, no
+profiler), then the same steps under torch's profiler, each op's own CPU time summed by kind
+(GEMMs, attention, KV writes, norms / rope / activations, sampling, other ops; pdserve's C++ kernels
+are timed as annotations, since the profiler does not see into them), and what is left of the wall
+time: Python and framework overhead (scheduling, metadata, dispatch, the profiler-free gaps). And
+each decoder layer's wall time (hooks around the layers, a run of its own).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pdserve.models.native import native_ops
+from pdserve.sampling_params import SamplingParams
+from pdserve.workload import random_prompts
+
+KINDS = ("gemm", "attention", "kv_write", "norm_rope_act", "sampling", "other_ops")
+# Substrings of op names (aten's and the native annotations') by kind, checked in this order.
+_KIND_NAMES = (
+    ("gemm", ("linear", "addmm", "::mm", "bmm", "matmul", "int4pack", "int8pack", "mkldnn", "int8_head")),
+    ("attention", ("scaled_dot_product", "flash_attention", "paged_decode_attention", "index_select")),
+    ("kv_write", ("index_copy",)),
+    ("norm_rope_act", ("rms_norm", "rotary", "gelu", "silu", "tanh", "aten::mul", "aten::add", "aten::rsqrt",
+                       "aten::pow", "aten::mean")),
+    ("sampling", ("argmax", "topk", "sort", "softmax", "multinomial")),
+)
+
+
+def op_kind(name: str) -> str:
+    for kind, parts in _KIND_NAMES:
+        if any(part in name for part in parts):
+            return kind
+    return "other_ops"
+
+
+class AnnotatedOps:
+    """pdserve's C++ kernels, each call wrapped in a profiler annotation (`native::name`)."""
+
+    def __init__(self, ops: ModuleType) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._ops, name)
+
+        def annotated(*args: Any) -> Any:
+            with torch.profiler.record_function(f"native::{name}"):
+                return fn(*args)
+
+        return annotated
+
+
+def _annotate_native(engine) -> None:
+    """Route the model's and the runner's C++ kernel calls through AnnotatedOps."""
+    runner = engine.model_runner
+    for module in runner.model.modules():
+        ops = getattr(module, "native", None)
+        if isinstance(ops, ModuleType):
+            module.native = AnnotatedOps(ops)
+    if runner.decode_kernel is not None:
+        runner.decode_kernel = AnnotatedOps(native_ops()).paged_decode_attention
+
+
+def _decode_steps(engine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def breakdown(llm, batch: int, context: int, steps: int = 8) -> dict:
+    """One (batch, context) point: milliseconds per decode step, by kind and by layer."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 4, ignore_eos=True)
+    for prompt in random_prompts(batch, context, 1000 + batch + context):
+        engine.add_request(prompt, params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()  # the prompts' prefill: not profiled
+    engine.step()
+    wall = statistics.median(_decode_steps(engine, steps))
+
+    layer_times: dict[int, list[float]] = {}
+    starts: dict[int, float] = {}
+    hooks = []
+    for i, layer in enumerate(engine.model_runner.model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: layer_times.setdefault(i, []).append(time.perf_counter() - starts[i])))
+    _decode_steps(engine, steps)
+    for hook in hooks:
+        hook.remove()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = sum(_decode_steps(engine, steps)) / steps
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    for event in prof.key_averages():
+        if event.key.startswith("ProfilerStep"):
+            continue
+        by_kind[op_kind(event.key)] += event.self_cpu_time_total / 1e3 / steps  # ms per step
+    engine.abort_all()
+    while engine.has_unfinished_requests():
+        engine.step()
+    ms = {kind: round(v, 3) for kind, v in by_kind.items()}
+    ms["overhead"] = round(max(0.0, wall * 1e3 - sum(by_kind.values())), 3)
+    layers = [statistics.median(layer_times[i]) * 1e3 for i in sorted(layer_times)]
+    return {"batch": batch, "context": context, "step_ms": round(wall * 1e3, 3),
+            "profiled_step_ms": round(profiled * 1e3, 3), "ms": ms,
+            "layer_ms": [round(t, 3) for t in layers], "layers_sum_ms": round(sum(layers), 3)}
+
+
+def profile_decode(model: str | None, dtype: str, quantization: str, batches: tuple[int, ...],
+                   contexts: tuple[int, ...]) -> dict:
+    """Every (batch, context) point for one engine configuration."""
+    from pdserve import LLM
+
+    llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
+              max_num_seqs=max(batches), max_model_len=max(contexts) + 64)
+    _annotate_native(llm.engine)
+    llm.generate(random_prompts(2, 32, 0), SamplingParams(max_tokens=4))  # warm up
+    points = [breakdown(llm, batch, context) for context in contexts for batch in batches]
+    return {"engine": llm.engine.labels(), "points": points}
+
+
+def markdown(configs: dict[str, dict]) -> list[str]:
+    lines = ["| engine | batch | context | step ms | GEMM | attention | KV write | norm/rope/act | sampling | "
+             "other ops | overhead | layers (min / median / max ms) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, config in configs.items():
+        for p in config["points"]:
+            ms, layers = p["ms"], p["layer_ms"]
+            cells = " | ".join(f"{ms[k]:.2f}" for k in (*KINDS, "overhead"))
+            lines.append(f"| {name} | {p['batch']} | {p['context']} | {p['step_ms']:.2f} | {cells} | "
+                         f"{min(layers):.2f} / {statistics.median(layers):.2f} / {max(layers):.2f} |")
+    return lines
