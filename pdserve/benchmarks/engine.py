@@ -382,7 +382,7 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
              f"{f' --model {args.model}' if args.model else ''}"
              f"{' --dtypes ' + ' '.join(args.dtypes) if explicit_dtypes else ''}` ({meta['date']}; {meta['cpu']}, "
              f"{', '.join(meta['flags'])}; {args.threads} thread(s); {meta['model']}). Milliseconds per decode step: "
-             "the step's wall time (engine.step, median of 8), then each kind's own op time under torch's profiler "
+             "the step's wall time (engine.step, median of 12), then each kind's own op time under torch's profiler "
              "(pdserve's C++ kernels as annotations), and the overhead: wall time minus all ops (Python, scheduling, "
              "metadata, dispatch). Layers: each decoder layer's wall time (hooks), min / median / max.", "",
              *step_markdown(results["configs"])]

@@ -67,26 +67,28 @@ def _annotate_native(engine) -> None:
         runner.decode_kernel = AnnotatedOps(native_ops()).paged_decode_attention
 
 
-def _decode_steps(engine, n: int) -> list[float]:
+def _decode_steps(engine, n: int, batch: int) -> list[float]:
     times = []
     for _ in range(n):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        if engine._decode_batch is None or engine._decode_batch[0] != batch:  # noqa: SLF001
+            raise RuntimeError(f"a step ran {engine._decode_batch} instead of {batch} decodes (KV pool too small?)")
     return times
 
 
-def breakdown(llm, batch: int, context: int, steps: int = 8) -> dict:
+def breakdown(llm, batch: int, context: int, steps: int = 12) -> dict:
     """One (batch, context) point: milliseconds per decode step, by kind and by layer."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
     for prompt in random_prompts(batch, context, 1000 + batch + context):
         engine.add_request(prompt, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()  # the prompts' prefill: not profiled
-    engine.step()
-    wall = statistics.median(_decode_steps(engine, steps))
+    _decode_steps(engine, 3, batch)  # warm up
+    wall = statistics.median(_decode_steps(engine, steps, batch))
 
     layer_times: dict[int, list[float]] = {}
     starts: dict[int, float] = {}
@@ -95,12 +97,12 @@ def breakdown(llm, batch: int, context: int, steps: int = 8) -> dict:
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
         hooks.append(layer.register_forward_hook(
             lambda m, a, o, i=i: layer_times.setdefault(i, []).append(time.perf_counter() - starts[i])))
-    _decode_steps(engine, steps)
+    _decode_steps(engine, steps, batch)
     for hook in hooks:
         hook.remove()
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        profiled = sum(_decode_steps(engine, steps)) / steps
+        profiled = sum(_decode_steps(engine, steps, batch)) / steps
     by_kind = dict.fromkeys(KINDS, 0.0)
     for event in prof.key_averages():
         if event.key.startswith("ProfilerStep"):
@@ -122,10 +124,12 @@ def profile_decode(model: str | None, dtype: str, quantization: str, batches: tu
     """Every (batch, context) point for one engine configuration."""
     from pdserve import LLM
 
-    llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
-              max_num_seqs=max(batches), max_model_len=max(contexts) + 64)
+    block_size, longest = 16, max(contexts) + 64
+    llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False, block_size=block_size,
+              max_num_seqs=max(batches), max_model_len=longest,
+              num_kv_blocks=max(batches) * -(-longest // block_size) + 64)  # every sequence's KV at once
     _annotate_native(llm.engine)
-    llm.generate(random_prompts(2, 32, 0), SamplingParams(max_tokens=4))  # warm up
+    breakdown(llm, batches[0], contexts[0])  # warm up: the first steps after loading run slow
     points = [breakdown(llm, batch, context) for context in contexts for batch in batches]
     return {"engine": llm.engine.labels(), "points": points}
 
