@@ -21,6 +21,7 @@ from pdserve.models.native import native_ops
 from pdserve.sampling_params import SamplingParams
 from pdserve.workload import random_prompts
 
+HEADROOM = 256  # output tokens each sequence may take (the longest measured point uses ~80)
 KINDS = ("gemm", "attention", "kv_write", "norm_rope_act", "sampling", "other_ops")
 # Substrings of op names (aten's and the native annotations') by kind, checked in this order.
 _KIND_NAMES = (
@@ -81,7 +82,9 @@ def _decode_steps(engine, n: int, batch: int) -> list[float]:
 def breakdown(llm, batch: int, context: int, steps: int = 12) -> dict:
     """One (batch, context) point: milliseconds per decode step, by kind and by layer."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
+    # Enough tokens that none ends while measured (the first prompts of a chunked prefill decode
+    # while the others prefill): the rest are aborted at the end.
+    params = SamplingParams(temperature=0, max_tokens=HEADROOM, ignore_eos=True)
     for prompt in random_prompts(batch, context, 1000 + batch + context):
         engine.add_request(prompt, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -124,7 +127,7 @@ def profile_decode(model: str | None, dtype: str, quantization: str, batches: tu
     """Every (batch, context) point for one engine configuration."""
     from pdserve import LLM
 
-    block_size, longest = 16, max(contexts) + 64
+    block_size, longest = 16, max(contexts) + HEADROOM
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False, block_size=block_size,
               max_num_seqs=max(batches), max_model_len=longest,
               num_kv_blocks=max(batches) * -(-longest // block_size) + 64)  # every sequence's KV at once
