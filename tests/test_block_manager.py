@@ -19,16 +19,16 @@ def test_allocate_and_free_counts():
     bm = BlockManager(num_blocks=8, block_size=4)
     req = make_request(list(range(10)))
     compute(bm, req, 10)
-    assert len(req.block_ids) == 3 and bm.num_used_blocks == 3
+    assert len(req.block_tables[0]) == 3 and bm.num_used_blocks == 3
     bm.free(req)
-    assert bm.num_used_blocks == 0 and req.block_ids == []
+    assert bm.num_used_blocks == 0 and req.block_tables == []
 
 
 def test_allocation_refused_when_pool_is_short():
     bm = BlockManager(num_blocks=2, block_size=4)
     req = make_request(list(range(12)))
     assert not bm.allocate(req, 12)
-    assert bm.num_used_blocks == 0 and req.block_ids == []
+    assert bm.num_used_blocks == 0 and not any(req.block_tables)
 
 
 def test_prefix_hit_shares_blocks_with_refcount():
@@ -37,12 +37,12 @@ def test_prefix_hit_shares_blocks_with_refcount():
     compute(bm, a, 10)
     b = make_request(list(range(9)) + [99], "b")
     hits = bm.match_prefix(b)
-    assert hits == [a.block_ids[:2]]  # two full blocks in common; the third differs (one KV group)
+    assert hits == [a.block_tables[0][:2]]  # two full blocks in common; the third differs (one KV group)
     assert bm.allocate(b, 2, hits)
-    assert b.num_computed_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
-    assert bm.ref_counts[a.block_ids[0]] == 2
+    assert b.num_computed_tokens == 8 and b.block_tables[0][:2] == a.block_tables[0][:2]
+    assert bm.ref_counts[a.block_tables[0][0]] == 2
     bm.free(a)
-    assert bm.ref_counts[b.block_ids[0]] == 1 and bm.num_used_blocks == 3
+    assert bm.ref_counts[b.block_tables[0][0]] == 1 and bm.num_used_blocks == 3
 
 
 def test_full_hit_leaves_last_token_to_compute():
@@ -57,7 +57,7 @@ def test_freed_blocks_stay_cached_until_reused():
     bm = BlockManager(num_blocks=3, block_size=4)
     a = make_request(list(range(8)), "a")
     compute(bm, a, 8)
-    blocks = list(a.block_ids)
+    blocks = list(a.block_tables[0])
     bm.free(a)
     b = make_request(list(range(8)) + [5], "b")
     assert bm.match_prefix(b) == [blocks]

@@ -36,7 +36,7 @@ def test_the_sequences_share_the_prompts_full_blocks(llm_fp32):
     engine.step()  # the first sequence computes the prompt; the other two fork from it
     shared = (len(prompt) - 1) // bs
     assert shared >= 2
-    assert [engine.block_manager.ref_counts[b] for b in first.block_ids[:shared]] == [3] * shared
+    assert [engine.block_manager.ref_counts[b] for b in first.block_tables[0][:shared]] == [3] * shared
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]

@@ -24,6 +24,7 @@ import torch
 from pdserve.benchmarks.report import publish
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
+from pdserve.kv.params import join_tables
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
@@ -51,7 +52,7 @@ def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     seconds = []
     try:
         for i in range(repeats + 1):  # the first warms up (maps the peer's pools)
-            held.hold(f"p-{i}", sum(blocks, []))
+            held.hold(f"p-{i}", join_tables(blocks))
             start = time.perf_counter()
             receiver.start(LoadSpec(f"d-{i}", blocks, blocks, f"p-{i}", "127.0.0.1", sender.port, p.pool.shm_name,
                                     num_tokens))
@@ -74,7 +75,7 @@ def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     seconds = []
     try:
         for i in range(repeats + 1):
-            receiver.expect(f"d-{i}", sum(blocks, []), timeout_s=60)
+            receiver.expect(f"d-{i}", join_tables(blocks), timeout_s=60)
             target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.pool.shm_name)
             start = time.perf_counter()
             sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True, num_tokens=num_tokens)])

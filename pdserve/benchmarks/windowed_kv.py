@@ -26,6 +26,7 @@ from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.tp_transfer import time_pull, time_push
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
+from pdserve.kv.params import join_tables
 from pdserve.kv.pool import KVPool
 from pdserve.kv.transport import TRANSPORTS, NodeTransports
 from pdserve.models.locate import resolve_model_dir
@@ -62,7 +63,7 @@ def measure(spec, prompt_len: int, repeats: int) -> dict:
     p, d = NodeTransports([pools[0]]), NodeTransports([pools[1]])
     blocks = [list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(groups)]
     runs = pools[0].group_runs(num_tokens, 0, num_blocks)
-    out = {"full_mib": pools[0].nbytes(sum(blocks, [])) / 2**20,
+    out = {"full_mib": pools[0].nbytes(join_tables(blocks)) / 2**20,
            "windowed_mib": sum(pools[0].nbytes(blocks[g][skip:], slots) for g, slots, skip in runs) / 2**20}
     block_mib = pools[0].nbytes([0]) / 2**20  # one block id: a layer slot of each of its group's layers
     peak, decoding = held_blocks(spec, prompt_len)

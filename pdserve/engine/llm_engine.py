@@ -91,7 +91,7 @@ class LLMEngine:
         self.decode_steps = DecodeSteps()
         self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
-                                          tuple(group.window for group in self.kv_spec.groups))
+                                          self.kv_spec.group_windows)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
             self.connector, self.kv_stats, config.kv_transfer.load_failure_policy,
@@ -142,8 +142,7 @@ class LLMEngine:
         if kv.role == "both":
             return None, None
         held = HeldBlocks(kv.hold_timeout_s)
-        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id,
-                                         tuple(group.window for group in self.kv_spec.groups))
+        connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id, self.kv_spec.group_windows)
         worker = KVConnectorWorker(kv, held, self.kv_stats)
         connector.advertised = worker.register_kv_caches(self.pools)
         return connector, worker

@@ -26,9 +26,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_cache = pool.tensor
         self.kv_caches = pool.layer_caches()
-        # Each KV group's attention window; every layer reads its group's metadata.
+        # Each KV group's attention window; every layer reads its group's metadata (pool.layer_groups).
         self.group_windows = [group.window for group in pool.groups]
-        self.layer_groups = [pool.layer_slots[layer][0] for layer in range(len(self.kv_caches))]
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> dict[str, int]:
@@ -41,7 +40,7 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.step(input_ids, positions, metas)
         meta = metas[0]
-        layer_metas = [metas[g] for g in self.layer_groups] if len(metas) > 1 else meta
+        layer_metas = [metas[g] for g in self.pool.layer_groups] if len(metas) > 1 else meta
         hidden = self.model(input_ids, positions, self.kv_caches, layer_metas, after_layer)
         self._prompt_logprobs(batch, hidden)
         samplers, last_index, offset = [], [], 0

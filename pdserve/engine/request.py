@@ -81,11 +81,6 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] = []  # of each prompt token (the first: None), when asked
 
     @property
-    def block_ids(self) -> list[int]:
-        """The first KV group's table (a model without sliding layers has only that one)."""
-        return self.block_tables[0] if self.block_tables else []
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

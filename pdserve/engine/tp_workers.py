@@ -101,7 +101,6 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
                             spec.block_size, spec.device,
                             shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
     kv_caches = pool.layer_caches()
-    layer_groups = [pool.layer_slots[layer][0] for layer in range(len(kv_caches))]
     with torch.inference_mode():
         while True:
             received = [None]
@@ -110,5 +109,5 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
                 break
             input_ids, positions, metas = received[0]  # each KV group's
             metas = [replace(meta, decode_kernel=kernel) for meta in metas]
-            model(input_ids, positions, kv_caches, [metas[g] for g in layer_groups])
+            model(input_ids, positions, kv_caches, [metas[g] for g in pool.layer_groups])
     dist.destroy_process_group()

@@ -26,7 +26,13 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv.channel import resolve_secret
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
-from pdserve.kv.params import KVTransferParams, wants_remote_decode, wants_remote_prefill
+from pdserve.kv.params import (
+    KVTransferParams,
+    join_tables,
+    split_tables,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
@@ -324,18 +330,6 @@ class KVConnectorWorker:
                 part.close()
         if self.transports is not None:
             self.transports.close()
-
-
-def join_tables(tables: list[list[int]]) -> list[int]:
-    """Block tables (one per KV group, equally long) as kv_transfer_params' one flat
-    remote_block_ids: the groups' tables one after another (a model without sliding layers has one)."""
-    return [b for table in tables for b in table]
-
-
-def split_tables(block_ids: list[int], num_groups: int) -> list[list[int]]:
-    """The inverse of `join_tables` (the length is checked on arrival: a multiple of num_groups)."""
-    n = len(block_ids) // num_groups
-    return [block_ids[g * n : (g + 1) * n] for g in range(num_groups)]
 
 
 def new_engine_id() -> str:

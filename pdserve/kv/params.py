@@ -92,3 +92,15 @@ def wants_remote_prefill(params: KVTransferParams | None) -> bool:
 def wants_remote_decode(params: KVTransferParams | None) -> bool:
     """P: this request is decoded elsewhere; keep (or push) its KV for the decode node."""
     return params is not None and params.do_remote_decode
+
+
+def join_tables(tables: list[list[int]]) -> list[int]:
+    """Block tables (one per KV group, equally long) as kv_transfer_params' one flat
+    remote_block_ids: the groups' tables one after another (a model without sliding layers has one)."""
+    return [b for table in tables for b in table]
+
+
+def split_tables(block_ids: list[int], num_groups: int) -> list[list[int]]:
+    """The inverse of `join_tables` (the length is checked on arrival: a multiple of num_groups)."""
+    n = len(block_ids) // num_groups
+    return [block_ids[g * n : (g + 1) * n] for g in range(num_groups)]

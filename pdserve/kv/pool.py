@@ -93,6 +93,7 @@ class KVPool:
         self.groups = kv_groups(layer_windows, len(layer_windows) or self.num_layers)
         self.layer_slots = {layer: (g, slot) for g, group in enumerate(self.groups)
                             for slot, layer in enumerate(group.layers)}
+        self.layer_groups = [self.layer_slots[layer][0] for layer in range(len(self.layer_slots))]  # by model layer
         self.model_kv_heads = model_kv_heads or self.num_kv_heads  # this pool holds a TP rank's share of them
         self.block_bytes = nbytes // (self.num_layers * self.num_planes * self.num_blocks)
         self.head_bytes = self.block_bytes // (self.block_size * self.num_kv_heads)  # one head of one slot

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
+from pdserve.kv.params import join_tables
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import NodeTransports, PeerPool, Transport, choose_transport
@@ -43,7 +44,7 @@ class KVSender:
             send_msg(conn, Ack(ok=self.held.release(req.request_id)))
             return
         serving = self.transports.to_serve(req.transport, req.layout, req.tp_size, producer=True)
-        error = serving if isinstance(serving, str) else self.held.pin(req.request_id, sum(req.block_ids, []))
+        error = serving if isinstance(serving, str) else self.held.pin(req.request_id, join_tables(req.block_ids))
         if error:
             send_msg(conn, PullReply(ok=False, error=error))
             return

@@ -31,16 +31,25 @@ class KVCacheSpec:
     def groups(self) -> tuple[KVGroup, ...]:
         return kv_groups(self.layer_windows, self.num_layers)
 
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Each KV group's window (0: full attention): what the block manager and connector need."""
+        return tuple(group.window for group in self.groups)
+
+    @property
+    def layer_slots(self) -> int:
+        """The pool's first dim: the most layers of one group (each group's layers take one slot each)."""
+        return max(len(group.layers) for group in self.groups)
+
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The pool tensor: [layer slot, plane, block, slot, kv_head, head_dim]; a block id belongs to
         one KV group at a time, whose layers take one layer slot each (`kv_groups`)."""
-        slots = max(len(g.layers) for g in self.groups)
-        return (slots, self.planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return (self.layer_slots, self.planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block_token(self) -> int:
         """Pool bytes per token of one block (every layer slot): what the pool is sized by."""
-        return max(len(g.layers) for g in self.groups) * self.layer_bytes_per_token
+        return self.layer_slots * self.layer_bytes_per_token
 
     @property
     def bytes_per_token(self) -> int:
@@ -49,9 +58,6 @@ class KVCacheSpec:
     @property
     def layer_bytes_per_token(self) -> int:
         return self.planes * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def window(self, layer: int) -> int:
-        return self.layer_windows[layer] if self.layer_windows else 0
 
     def capacity_tokens(self, num_blocks: int, block_size: int, chunk_tokens: int | None) -> int:
         """The longest sequence a pool of `num_blocks` holds alone: a full-attention group takes a

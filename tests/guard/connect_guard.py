@@ -98,9 +98,11 @@ def read_log(path: str) -> list[dict]:
 
 
 def shm_pools() -> list[str]:
-    """pdserve's shared KV pools now in /dev/shm."""
-    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("pdserve-kv-")) \
-        if os.path.isdir("/dev/shm") else []
+    """pdserve's shared KV pools now in /dev/shm (imported here, not at the top: every process of
+    the session loads this guard, most without pdserve)."""
+    from pdserve.procinfo import POOL_PREFIX, SHM_DIR
+
+    return sorted(path.name for path in SHM_DIR.glob(f"{POOL_PREFIX}*")) if SHM_DIR.is_dir() else []
 
 
 def footprint() -> dict[str, list[str] | None]:
