@@ -23,7 +23,7 @@ from servers import MODEL, Procs
 from pdserve import LLM, SamplingParams
 from pdserve.models.attention import RowsAlone, _attend_rows_alone
 from pdserve.models.batch_invariant import INVARIANT_PARTITION_BLOCKS, INVARIANT_ROWS, in_fixed_blocks
-from pdserve.models.quantization import quantize_int4, quantize_int8, quantize_int8_groups
+from pdserve.models.quantization import native_int4_kernel, quantize_int4, quantize_int8, quantize_int8_groups
 from pdserve.platform import CpuInfo
 
 N, K = 1728, 576  # SmolLM2's fused QKV projection
@@ -50,6 +50,9 @@ def quantized_gemms(ops) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     found = {"int4": lambda x: int4(x.bfloat16()), "int8": lambda x: int8(x.bfloat16())}
     if ops is not None:
         found["int8 head"] = lambda x: ops.int8_head(x.float().contiguous(), head.codes, head.scales)
+    if native_int4_kernel(ops) is not None:  # AVX512-BF16 CPUs
+        native_int4, _ = quantize_int4(WEIGHT, native_int4_kernel(ops))
+        found["int4 native"] = native_int4
     return found
 
 

@@ -19,8 +19,10 @@ from pdserve.models.registry import read_model_config
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.models.quantization import (
     INT4_GROUP,
+    NativeInt4Weight,
     can_quantize,
     int4_codes,
+    native_int4_kernel,
     quantize_int4,
     quantize_int8,
     resolve_quantization,
@@ -79,6 +81,25 @@ def test_kernels_compute_the_dequantized_weight(method, rows):
     # ... and the kernel computes x @ dequantized.T (bf16 activations and output).
     out = quantized(x.bfloat16()).float()
     torch.testing.assert_close(out, F.linear(x.bfloat16().float(), dequantized), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
+def test_native_int4_computes_the_dequantized_weight_in_float32(ops, rows):
+    """pdserve's int4_linear (AVX512-BF16): x rounded to bf16 times the dequantized weight, summed in
+    float32 (torch's kernel rounds its output to bf16); the bf16 result is the float32 one rounded."""
+    kernel = native_int4_kernel(ops)
+    if kernel is None:
+        pytest.skip("this CPU has no AVX512-BF16: int4 decodes on torch's kernel (tested above)")
+    torch.manual_seed(rows)
+    weight, x = torch.randn(192, 96) * 0.05, torch.randn(rows, 96)  # 3 panels, 3 groups
+    quantized, dequantized = quantize_int4(weight, kernel)
+    assert isinstance(quantized, NativeInt4Weight)
+    torch.testing.assert_close(quantized(x), F.linear(x.bfloat16().float(), dequantized), rtol=1e-5, atol=1e-5)
+    assert torch.equal(quantized(x.bfloat16()), quantized(x).bfloat16())
+    # The same codes and scales as torch's layout, so either kernel computes the same weight.
+    torch.testing.assert_close(quantized(x), quantize_int4(weight)[0](x.bfloat16()).float(), rtol=2e-2, atol=2e-2)
+    # An output size that is no multiple of its 64-row panel keeps torch's layout and kernel.
+    assert not isinstance(quantize_int4(torch.randn(80, 96), kernel)[0], NativeInt4Weight)
 
 
 def test_shapes_the_kernels_refuse_stay_dense():

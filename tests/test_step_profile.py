@@ -9,6 +9,7 @@ from pdserve.benchmarks.step_profile import KINDS, op_kind, profile_decode
 
 @pytest.mark.parametrize("name, kind", [
     ("aten::linear", "gemm"), ("aten::_weight_int4pack_mm_for_cpu", "gemm"), ("native::int8_head", "gemm"),
+    ("native::int4_linear", "gemm"),
     ("mkldnn::_linear_pointwise", "gemm"), ("native::paged_decode_attention", "attention"),
     ("aten::scaled_dot_product_attention", "attention"), ("aten::index_copy_", "kv_write"),
     ("native::add_rms_norm", "norm_rope_act"), ("native::rotary_embedding", "norm_rope_act"),

@@ -10,14 +10,16 @@ each decoder layer's wall time (hooks around the layers, a run of its own).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from pdserve.models.native import native_ops
+from pdserve.models.quantization import NativeInt4Weight
 from pdserve.sampling_params import SamplingParams
 from pdserve.workload import random_prompts
 
@@ -25,7 +27,7 @@ HEADROOM = 256  # output tokens each sequence may take (the longest measured poi
 KINDS = ("gemm", "attention", "kv_write", "norm_rope_act", "sampling", "other_ops")
 # Substrings of op names (aten's and the native annotations') by kind, checked in this order.
 _KIND_NAMES = (
-    ("gemm", ("linear", "addmm", "::mm", "bmm", "matmul", "int4pack", "int8pack", "mkldnn", "int8_head")),
+    ("gemm", ("linear", "addmm", "::mm", "bmm", "matmul", "int4pack", "int8pack", "mkldnn", "int8_head", "int4_linear")),
     ("attention", ("scaled_dot_product", "flash_attention", "paged_decode_attention", "index_select")),
     ("kv_write", ("index_copy",)),
     ("norm_rope_act", ("rms_norm", "rotary", "gelu", "silu", "tanh", "aten::mul", "aten::add", "aten::rsqrt",
@@ -57,15 +59,29 @@ class AnnotatedOps:
         return annotated
 
 
-def _annotate_native(engine) -> None:
-    """Route the model's and the runner's C++ kernel calls through AnnotatedOps."""
+@contextlib.contextmanager
+def annotated_native(engine) -> Iterator[None]:
+    """Route the model's and the runner's C++ kernel calls through AnnotatedOps while profiled (the
+    wrappers cost a few microseconds a call: the wall time is measured without them)."""
     runner = engine.model_runner
+    saved: list[tuple[Any, str, Any]] = []
     for module in runner.model.modules():
         ops = getattr(module, "native", None)
         if isinstance(ops, ModuleType):
+            saved.append((module, "native", ops))
             module.native = AnnotatedOps(ops)
+        weight = getattr(module, "quantized", None)
+        if isinstance(weight, NativeInt4Weight):
+            saved.append((weight, "kernel", weight.kernel))
+            weight.kernel = AnnotatedOps(native_ops()).int4_linear
     if runner.decode_kernel is not None:
+        saved.append((runner, "decode_kernel", runner.decode_kernel))
         runner.decode_kernel = AnnotatedOps(native_ops()).paged_decode_attention
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def _decode_steps(engine, n: int, batch: int) -> list[float]:
@@ -104,7 +120,7 @@ def breakdown(llm, batch: int, context: int, steps: int = 12) -> dict:
     for hook in hooks:
         hook.remove()
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with annotated_native(engine), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         profiled = sum(_decode_steps(engine, steps, batch)) / steps
     by_kind = dict.fromkeys(KINDS, 0.0)
     for event in prof.key_averages():
@@ -131,7 +147,6 @@ def profile_decode(model: str | None, dtype: str, quantization: str, batches: tu
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False, block_size=block_size,
               max_num_seqs=max(batches), max_model_len=longest,
               num_kv_blocks=max(batches) * -(-longest // block_size) + 64)  # every sequence's KV at once
-    _annotate_native(llm.engine)
     breakdown(llm, batches[0], contexts[0])  # warm up: the first steps after loading run slow
     points = [breakdown(llm, batch, context) for context in contexts for batch in batches]
     return {"engine": llm.engine.labels(), "points": points}

@@ -12,6 +12,7 @@ from pdserve.models.attention import DecodeKernel
 from pdserve.models.loader import load_model
 from pdserve.models.native import native_ops
 from pdserve.models.parallel import TensorParallel
+from pdserve.models.quantization import native_int4_kernel
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,12 @@ def set_up_rank(spec: RankSpec, tp: TensorParallel) -> tuple[torch.nn.Module, De
     kernel (None: the model's torch path)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
-                       quantization=spec.quantization, tp=tp)
-    # The decode attention and the fused elementwise ops on pdserve's C++ kernels unless forced
-    # portable or they cannot be built here (no compiler): then torch ops, SDPA over gathered blocks.
+    # The decode attention, int4 projections and the fused elementwise ops on pdserve's C++ kernels
+    # unless forced portable or they cannot be built here (no compiler): then torch ops, SDPA over
+    # gathered blocks, torch's int4 kernel.
     ops = native_ops() if spec.compiled else None
+    model = load_model(Path(spec.model_dir), spec.dtype, spec.device, spec.max_model_len, prepack=spec.prepack,
+                       quantization=spec.quantization, tp=tp, int4_kernel=native_int4_kernel(ops))
     if ops is not None:
         model.use_native_kernels(ops)
     if spec.batch_invariant:

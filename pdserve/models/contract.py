@@ -39,8 +39,8 @@ class CausalLM(Protocol):
     # -- loading (models/loader.py) ------------------------------------------------------------
     def set_compute_dtype(self, dtype: torch.dtype) -> None: ...
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None: ...
-    def quantize(self, method: str) -> dict[str, int]:
-        """Quantize for decode (int4 | int8); bytes by format."""
+    def quantize(self, method: str, int4_kernel: Callable | None = None) -> dict[str, int]:
+        """Quantize for decode (int4 | int8; int4 for pdserve's `int4_kernel` where given); bytes by format."""
     def pack_for_cpu(self) -> None: ...
     def reset_buffers(self, device: torch.device | str) -> None:
         """Fill the non-persistent buffers (RoPE tables) once the model is on its device."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -127,9 +127,10 @@ class DecoderLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, OutputHead)):
                 module.native = ops
 
-    def quantize(self, method: str) -> dict[str, int]:
-        """Quantize the projections to `method` (int4 | int8) and the output head to int8 in groups
-        (the logits are the most sensitive: GGUF files keep it at 8 bits too). Returns bytes by format."""
+    def quantize(self, method: str, int4_kernel: Callable | None = None) -> dict[str, int]:
+        """Quantize the projections to `method` (int4 | int8; int4 laid out for `int4_kernel`, pdserve's,
+        where given) and the output head to int8 in groups (the logits are the most sensitive: GGUF
+        files keep it at 8 bits too). Returns bytes by format."""
         nbytes: dict[str, int] = {}
         for name, module in self.named_modules():
             if not isinstance(module, Linear):
@@ -143,7 +144,7 @@ class DecoderLM(nn.Module):
                 logger.warning("%s %s stays dense: torch's %s kernel does not take this shape", name,
                                tuple(module.weight.shape), kind)
                 continue
-            module.quantize(kind)
+            module.quantize(kind, int4_kernel)
             nbytes[kind] = nbytes.get(kind, 0) + module.quantized.nbytes
         return nbytes
 

@@ -55,10 +55,11 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     batch_invariant = False  # models/batch_invariant.py
 
-    def quantize(self, method: str) -> None:
-        """Decode on `method` codes; the dense weight stays the file's (prefill computes the file's
-        model, only the decode kernel approximates it)."""
-        self.quantized, _ = quantize(method, self.weight.detach())
+    def quantize(self, method: str, int4_kernel: Callable | None = None) -> None:
+        """Decode on `method` codes (int4 laid out for `int4_kernel`, pdserve's, where given); the
+        dense weight stays the file's (prefill computes the file's model, only the decode kernel
+        approximates it)."""
+        self.quantized, _ = quantize(method, self.weight.detach(), int4_kernel)
 
     def pack_for_cpu(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -81,7 +82,7 @@ class Linear(nn.Linear):
         return decoded if decode_rows == x.shape[0] else torch.cat((decoded, dense(x[decode_rows:])))
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quantized(x.to(torch.bfloat16)).to(x.dtype)
+        return self.quantized(x)
 
     def _dense_in_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return in_fixed_blocks(self._dense, x)
@@ -107,7 +108,7 @@ class OutputHead(Linear):
     native: ModuleType | None = None  # pdserve's C++ kernels, where built
     quantized: Int8GroupWeight | None = None
 
-    def quantize(self, method: str) -> None:
+    def quantize(self, method: str, int4_kernel: Callable | None = None) -> None:
         self.quantized = quantize_int8_groups(self.weight.detach())
 
     def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -22,10 +23,11 @@ def kv_cache_spec(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = 
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int,
-               prepack: bool = False, quantization: str = "none", tp: TensorParallel = SINGLE) -> torch.nn.Module:
+               prepack: bool = False, quantization: str = "none", tp: TensorParallel = SINGLE,
+               int4_kernel: Callable | None = None) -> torch.nn.Module:
     """The model (TP rank `tp`'s slices of it) with its weights in `dtype`; `prepack` re-lays its
     bf16 projections for oneDNN; `quantization` (int4 | int8, resolved) quantizes them for decode,
-    from float32."""
+    from float32 (int4 for `int4_kernel`, pdserve's, where given)."""
     config = read_model_config(model_dir)
     cls = model_class(config)
     load_dtype = torch.float32 if quantization != "none" else dtype
@@ -48,7 +50,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     model.load_hf_state_dict(weights)
     del weights
     if quantization != "none":
-        sizes = model.quantize(quantization)
+        sizes = model.quantize(quantization, int4_kernel)
         logger.info("quantized for decode: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sizes.items()))
         model.set_compute_dtype(dtype)  # the dense (dequantized) weights, for prefill
     model.reset_buffers(device)

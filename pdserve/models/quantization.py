@@ -2,9 +2,12 @@
 
 A decode step streams every weight once, so at small batch its time is weight bytes / memory
 bandwidth. int4 (groups of 32 along the input, a bf16 scale and offset each: GGUF's Q4_1 layout)
-reads 0.625 bytes a weight, ~1/6 of float32's; int8 (one scale per output channel) ~1/4. torch's own CPU kernels do the
-matmuls (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`); they take bfloat16 activations
-(float32 ones run a scalar path ~10x slower), so a small batch is cast to bf16 and back.
+reads 0.625 bytes a weight, ~1/6 of float32's; int8 (one scale per output channel) ~1/4. int4 runs on
+pdserve's C++ `int4_linear` where the CPU has bf16 dot products (AVX512-BF16: csrc/int4_linear.cpp,
+its own code layout; at the read bandwidth at batch 1, 1.5x torch's kernel at 8 rows), elsewhere on
+torch's CPU kernel (`_weight_int4pack_mm_for_cpu`); int8 on torch's `_weight_int8pack_mm`. Each
+takes bfloat16 activations (torch's float32 path is a scalar one ~10x slower), so a small batch is
+cast to bf16 (and torch's kernels' output back).
 
 Only decode rows take the quantized kernels, and only while a step has at most MAX_QUANTIZED_ROWS of
 them: beyond, and for prefill, a dense GEMM is compute-bound and faster. So each layer also keeps its
@@ -28,6 +31,8 @@ What the decode kernels approximate:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -65,11 +70,29 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor  # bf16 [K / group, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+        out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_and_zeros)
+        return out.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+@dataclass
+class NativeInt4Weight:
+    """The same codes, scales and zeros as Int4Weight, laid out for pdserve's `int4_linear`
+    (csrc/int4_linear.cpp): panels of 64 output rows, each a contiguous stream."""
+
+    codes: torch.Tensor  # int16 [N / 64, K / 32 * 512]: 4 codes per 16-bit lane
+    scales_and_zeros: torch.Tensor  # bf16 [N / 64, K / 32 * 128]
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # float32 or bf16 in, the same dtype out
+        return self.kernel(x.contiguous(), self.codes, self.scales_and_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales_and_zeros.nbytes
 
 
 @dataclass
@@ -80,7 +103,7 @@ class Int8Weight:
     scales: torch.Tensor  # bf16 [N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.codes, self.scales)
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -100,8 +123,16 @@ class Int8GroupWeight:
         return self.codes.nbytes + self.scales.nbytes
 
 
-QuantizedWeight = Int4Weight | Int8Weight
+QuantizedWeight = Int4Weight | NativeInt4Weight | Int8Weight
 INT8_GROUP = 32
+
+
+NATIVE_INT4_PANEL = 64  # int4_linear: output rows per panel
+
+
+def native_int4_kernel(ops: ModuleType | None) -> Callable | None:
+    """pdserve's `int4_linear`, where built (compiled only for CPUs with AVX512-BF16)."""
+    return getattr(ops, "int4_linear", None) if ops is not None else None
 
 
 def can_quantize(method: str, weight: torch.Tensor) -> bool:
@@ -122,17 +153,39 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return ((groups - low) / step).round_().clamp_(0, 15), step, low
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
-    """The int4 form of a float [N, K] weight and the float32 weight it stands for."""
+def quantize_int4(weight: torch.Tensor, kernel: Callable | None = None
+                  ) -> tuple[Int4Weight | NativeInt4Weight, torch.Tensor]:
+    """The int4 form of a float [N, K] weight and the float32 weight it stands for; laid out for
+    `kernel` (pdserve's int4_linear) when given and N is a multiple of its panel, else for torch's."""
     n, k = weight.shape
     codes, step, low = int4_codes(weight)
-    # The kernel's codes are centred: (q - 8) * scale + zero, so zero = low + 8 * scale.
+    # The kernels' codes are centred: (q - 8) * scale + zero, so zero = low + 8 * scale.
     scale = step.squeeze(-1).bfloat16()
     zero = (low + 8 * step).squeeze(-1).bfloat16()
-    dequantized = (codes - 8) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    dequantized = ((codes - 8) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).reshape(n, k)
+    if kernel is not None and n % NATIVE_INT4_PANEL == 0:
+        return NativeInt4Weight(*native_int4_layout(codes, scale, zero), kernel), dequantized
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k).to(torch.int32), 1)
     scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()  # [K / group, N, 2]
-    return Int4Weight(packed, scales_and_zeros), dequantized.reshape(n, k)
+    return Int4Weight(packed, scales_and_zeros), dequantized
+
+
+def native_int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4_linear's layout (csrc/int4_linear.cpp) of codes [N, K / 32, 32] and bf16 scale, zero [N, K / 32].
+    Per panel of 64 rows and group: 4 vectors (l) x 4 blocks of 16 rows (c) x 32 lanes (2 j + p), lane
+    nibble t holding row j's code at k = 2 (4 l + t) + p of the group; then per group and block 16
+    scales and 16 zeros."""
+    n, groups, _ = codes.shape
+    panels = n // NATIVE_INT4_PANEL
+    q = codes.to(torch.int32).reshape(panels, 4, 16, groups, 4, 4, 2)  # [panel, c, j, g, l, t, p]
+    q = q.permute(0, 3, 4, 1, 2, 6, 5)  # [panel, g, l, c, j, p, t]
+    lanes = (q << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    lanes = torch.where(lanes >= 1 << 15, lanes - (1 << 16), lanes)  # the 16 bits, as int16
+    lanes = lanes.to(torch.int16).reshape(panels, groups * 512).contiguous()
+    scales = torch.stack((scale.reshape(panels, 4, 16, groups), zero.reshape(panels, 4, 16, groups)), 2)
+    scales = scales.permute(0, 4, 1, 2, 3).reshape(panels, groups * 128).contiguous()  # [panel, g, c, 2, j]
+    return lanes, scales
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[Int8Weight, torch.Tensor]:
@@ -152,5 +205,6 @@ def quantize_int8_groups(weight: torch.Tensor) -> Int8GroupWeight:
     return Int8GroupWeight(codes.to(torch.int8).reshape(n, k), scale.contiguous())
 
 
-def quantize(method: str, weight: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:
-    return quantize_int4(weight) if method == "int4" else quantize_int8(weight)
+def quantize(method: str, weight: torch.Tensor, int4_kernel: Callable | None = None
+             ) -> tuple[QuantizedWeight, torch.Tensor]:
+    return quantize_int4(weight, int4_kernel) if method == "int4" else quantize_int8(weight)

@@ -10,6 +10,9 @@ void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, 
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+#if defined(__AVX512BF16__)
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros);
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)",
@@ -19,4 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("int8_head", &int8_head, "x @ (int8 codes * group scales).T in float32: the output head's logits");
+#if defined(__AVX512BF16__)  // only where the CPU has bf16 dot products; elsewhere torch's int4 kernel runs
+  m.def("int4_linear", &int4_linear, "x @ (int4 codes * group scale + zero).T on bf16 dot products");
+#endif
 }
