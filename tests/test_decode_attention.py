@@ -55,7 +55,7 @@ def test_partitions_feed_every_thread_at_batch_one(ops):
     runner = ModelRunner.__new__(ModelRunner)  # only the group builder: no model needed
     runner.device, runner.kv_cache = torch.device("cpu"), torch.zeros(1, 2, 1, 16, 3, 64)
     group = runner._kernel_group([list(range(128))], [2048])  # 128 blocks, 3 KV heads
-    units = 3 * -(-128 // group.partition_blocks)
+    units = -(-128 // group.partition_blocks)  # a unit: a partition of the sequence, all its KV heads
     assert units >= 4 * torch.get_num_threads() or group.partition_blocks == 8
     assert group.context_lens.tolist() == [2048] and group.block_tables.shape == (1, 128)
 

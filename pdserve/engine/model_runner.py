@@ -146,8 +146,9 @@ class ModelRunner:
         padded = self._padded(tables)
         width = padded.shape[1]
         # Split long contexts so that every thread has work even at batch 1 (4 units per thread),
-        # in partitions of at least MIN_PARTITION_BLOCKS (merging partitions costs too).
-        units = len(lens) * self.kv_cache.shape[-2]  # sequences x KV heads
+        # in partitions of at least MIN_PARTITION_BLOCKS (merging partitions costs too). A unit is a
+        # sequence's partition (all its KV heads: the kernel's AVX-512 path reads a block's heads together).
+        units = len(lens)
         wanted = -(-4 * torch.get_num_threads() // units)
         partition = max(MIN_PARTITION_BLOCKS, -(-width // wanted))
         return DecodeGroup(0, len(lens), padded, context_lens=torch.tensor(lens, device=self.device),
