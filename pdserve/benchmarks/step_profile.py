@@ -5,7 +5,8 @@ profiler), then the same steps under torch's profiler, each op's own CPU time su
 (GEMMs, attention, KV writes, norms / rope / activations, sampling, other ops; pdserve's C++ kernels
 are timed as annotations, since the profiler does not see into them), and what is left of the wall
 time: Python and framework overhead (scheduling, metadata, dispatch, the profiler-free gaps). And
-each decoder layer's wall time (hooks around the layers, a run of its own).
+each decoder layer's wall time (hooks around the Python layers, a run of its own: a fused decode step,
+models/decode_stack.py, has no layer boundary Python sees).
 """
 
 from __future__ import annotations
@@ -109,16 +110,21 @@ def breakdown(llm, batch: int, context: int, steps: int = 12) -> dict:
     _decode_steps(engine, 3, batch)  # warm up
     wall = statistics.median(_decode_steps(engine, steps, batch))
 
+    # Each layer's time, by hooks on the Python layers (a fused decode step has no layer boundary
+    # Python sees: those steps run the Python layers here, so layer times are theirs).
+    model = engine.model_runner.model
+    stack, model.decode_stack = model.decode_stack, None
     layer_times: dict[int, list[float]] = {}
     starts: dict[int, float] = {}
     hooks = []
-    for i, layer in enumerate(engine.model_runner.model.layers):
+    for i, layer in enumerate(model.layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, time.perf_counter())))
         hooks.append(layer.register_forward_hook(
             lambda m, a, o, i=i: layer_times.setdefault(i, []).append(time.perf_counter() - starts[i])))
     _decode_steps(engine, steps, batch)
     for hook in hooks:
         hook.remove()
+    model.decode_stack = stack
 
     with annotated_native(engine), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         profiled = sum(_decode_steps(engine, steps, batch)) / steps
@@ -154,7 +160,7 @@ def profile_decode(model: str | None, dtype: str, quantization: str, batches: tu
 
 def markdown(configs: dict[str, dict]) -> list[str]:
     lines = ["| engine | batch | context | step ms | GEMM | attention | KV write | norm/rope/act | sampling | "
-             "other ops | overhead | layers (min / median / max ms) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "other ops | overhead | Python layers (min / median / max ms) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, config in configs.items():
         for p in config["points"]:
             ms, layers = p["ms"], p["layer_ms"]

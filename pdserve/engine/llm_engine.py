@@ -259,8 +259,11 @@ class LLMEngine:
                           self.tokenizer.template_knows_tools)
 
     def labels(self) -> dict[str, str]:
-        """How this engine computes: the kernel plan, the weights' quantization, the decode attention."""
+        """How this engine computes: the kernel plan, the weights' quantization, the decode attention,
+        whether decode steps run fused (models/decode_stack.py)."""
+        fused = self.model_runner.model.decode_stack is not None
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
+                "decode_step": "fused" if fused else "python",
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower()}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.models.attention import AttentionMetadata, DecodeKernel
 from pdserve.models.contract import LayerHook
+from pdserve.models.decode_stack import build_decode_stack, runs_fused
 from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding, Rotation
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import INT8_GROUP, can_quantize
@@ -34,6 +35,8 @@ class DecoderLM(nn.Module):
     # logits) and the embedding (tied to it in many models; the residual stream is float32 anyway).
     float32_weights: tuple[str, ...] = ("embed_tokens.weight", "lm_head.weight")
     compute_dtype: torch.dtype = torch.float32
+    # The fused decode step (models/decode_stack.py), where pdserve's kernels can run these layers.
+    decode_stack: Any = None
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layers: Iterable[nn.Module],
                  rope: RotaryEmbedding) -> None:
@@ -56,6 +59,12 @@ class DecoderLM(nn.Module):
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
         residual = self.embed(input_ids)
+        if self.decode_stack is not None and after_layer is None and runs_fused(meta):
+            group = meta.decode_groups[0]
+            delta = self.decode_stack.forward(residual, positions, self.rope.cos, self.rope.sin, kv_caches,
+                                              meta.slot_mapping, group.block_tables, group.context_lens,
+                                              group.partition_blocks)
+            return self.norm(delta, residual)
         rotations = self.rotations(positions)
         delta = None
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
@@ -120,12 +129,14 @@ class DecoderLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.batch_invariant = True
+        self.decode_stack = None  # its kernels compute rows alone, but its attention partitions by batch
 
     def use_native_kernels(self, ops: ModuleType) -> None:
         """Run the elementwise chains on pdserve's C++ kernels (models/native.py)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, OutputHead)):
                 module.native = ops
+        self.decode_stack = build_decode_stack(self, ops, one_rope=type(self).rotations is DecoderLM.rotations)
 
     def quantize(self, method: str, int4_kernel: Callable | None = None) -> dict[str, int]:
         """Quantize the projections to `method` (int4 | int8; int4 laid out for `int4_kernel`, pdserve's,

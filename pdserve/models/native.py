@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "int8_head.cpp",
-                                   "int4_linear.cpp")]
+                                   "int4_linear.cpp", "decode_stack.cpp")]
 HEADERS = [CSRC / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"

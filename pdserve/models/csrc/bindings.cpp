@@ -12,6 +12,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 #if defined(__AVX512BF16__)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros);
+void bind_decode_stack(pybind11::module& m);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_head", &int8_head, "x @ (int8 codes * group scales).T in float32: the output head's logits");
 #if defined(__AVX512BF16__)  // only where the CPU has bf16 dot products; elsewhere torch's int4 kernel runs
   m.def("int4_linear", &int4_linear, "x @ (int4 codes * group scale + zero).T on bf16 dot products");
+  bind_decode_stack(m);  // DecodeStack: a decode step through a Llama-family model's layers (its projections int4)
 #endif
 }

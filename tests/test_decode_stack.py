@@ -1,0 +1,58 @@
+"""The fused decode step (models/decode_stack.py): where it runs, a decode step's numbers are the
+Python layers' bit for bit; where it cannot, the Python layers run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.quantization import native_int4_kernel
+
+
+@pytest.fixture(scope="module")
+def int4_ops(ops):
+    if native_int4_kernel(ops) is None:
+        pytest.skip("this CPU has no AVX512-BF16: no int4_linear, so no fused decode step (the Python layers run)")
+    return ops
+
+
+def _generate(llm: LLM, fused: bool, prompts: list[list[int]]):
+    model = llm.engine.model_runner.model
+    stack = model.decode_stack
+    calls = []
+    if not fused:
+        model.decode_stack = None
+    else:
+        class Counting:  # the real stack, its calls counted
+            def forward(self, *args):
+                calls.append(args[0].shape[0])
+                return stack.forward(*args)
+        model.decode_stack = Counting()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+        outs = llm.generate(prompts, params)
+    finally:
+        model.decode_stack = stack
+    return [(o.token_ids, o.logprobs) for o in outs], calls
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_decode_equals_the_python_layers_bit_for_bit(int4_ops, smollm_dir, dtype):
+    llm = LLM(str(smollm_dir), dtype=dtype, quantization="int4", kv_cache_memory_gib=0.1, max_num_seqs=20)
+    assert llm.engine.model_runner.model.decode_stack is not None
+    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "1, 2, 3,")]
+    for batch in (prompts[:1], prompts, prompts * 6):  # 1, 3 and 18 decodes (past the int4 kernel's 16 rows)
+        fused, calls = _generate(llm, True, batch)
+        python, _ = _generate(llm, False, batch)
+        assert fused == python
+        if len(batch) <= 16:  # it ran every decode of the batch at once
+            assert calls and max(calls) == len(batch)
+
+
+def test_the_python_layers_run_where_the_stack_cannot(smollm_dir):
+    # Portable kernels, batch-invariant mode, unquantized: no stack.
+    for kwargs in ({"quantization": "none"}, {"quantization": "int4", "batch_invariant": True}):
+        llm = LLM(str(smollm_dir), dtype="bfloat16", kv_cache_memory_gib=0.05, **kwargs)
+        assert llm.engine.model_runner.model.decode_stack is None, kwargs
+        out = llm.generate([llm.tokenizer.encode("Hello")], SamplingParams(temperature=0, max_tokens=3))
+        assert len(out[0].token_ids) == 3
