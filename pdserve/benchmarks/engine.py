@@ -32,8 +32,15 @@ import time
 import torch
 
 from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.rooflines import (
+    BANDWIDTH_MIB,
+    GEMM_SHAPE,
+    gemm_gflops,
+    read_bandwidth_gbs,
+    streamed_weights,
+)
 from pdserve.benchmarks.step_profile import markdown as step_markdown
-from pdserve.benchmarks.step_profile import profile_decode
+from pdserve.benchmarks.step_profile import profile_decode, roofline_lines
 from pdserve.models.locate import default_model_name
 from pdserve.platform import CPU_ENV, CpuInfo
 from pdserve.procinfo import rss_mib
@@ -44,48 +51,12 @@ DECODE_PROMPT_LEN, DECODE_STEPS = 128, 32
 DECODE_MEDIAN_CONTEXT = DECODE_PROMPT_LEN + DECODE_STEPS // 2  # the context of the median decode step
 OFFLINE_SHAPES = ((8, 512, 128), (1, 2048, 64))
 STEP_CONTEXTS = (32, 256, 1024, 2048, 4096)  # decode step time against context, batch 1
-BANDWIDTH_MIB = 512  # a buffer well past the last-level cache
 # Weight bytes per parameter of each format: the floor of a batch-1 decode step is streaming them.
 WEIGHT_FORMATS = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def read_bandwidth_gbs(repeats: int = 5) -> float:
-    """Memory read bandwidth of this process's threads: summing a buffer far larger than the cache."""
-    data = torch.ones(BANDWIDTH_MIB * 2**20 // 4, dtype=torch.float32)
-    data.sum()  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
-
-
-def streamed_weights(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
-    """Parameters and bytes a batch-1 decode step reads whole: every projection (the LM head
-    included, counted by shape since a pre-packed projection keeps no `weight`; its quantized codes'
-    bytes where it has them, else its weight in `dtype`) and norm. The embedding table is read one
-    row per token; tied to the LM head, it is counted as the LM head."""
-    dense = torch.empty((), dtype=dtype).element_size()
-    params = nbytes = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            weight = module.in_features * module.out_features
-            quantized = getattr(module, "quantized", None)
-            params += weight
-            nbytes += quantized.nbytes if quantized is not None else weight * dense
-            if module.bias is not None:
-                params += module.bias.numel()
-                nbytes += module.bias.numel() * module.bias.element_size()
-        elif not isinstance(module, torch.nn.Embedding):
-            for p in module.parameters(recurse=False):
-                params += p.numel()
-                nbytes += p.numel() * p.element_size()
-    return params, nbytes
 
 
 # -- pdserve ------------------------------------------------------------------------------------
@@ -369,7 +340,10 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
     torch.set_num_threads(args.threads)
     cpu = CpuInfo.detect()
     configs = [("auto", "auto")] + ([(d, "none") for d in args.dtypes] if explicit_dtypes else [])
-    results = {"meta": {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "isa": cpu.isa,
+    # The machine's rooflines, measured before the models load (same process and threads).
+    rooflines = {"read_bandwidth_gbs": read_bandwidth_gbs(),
+                 "gemm_gflops": {name: gemm_gflops(getattr(torch, name)) for name in ("bfloat16", "float32")}}
+    results = {"rooflines": rooflines, "meta": {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "isa": cpu.isa,
                         "flags": sorted(f for f in cpu.flags if f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")),
                         "threads": args.threads, "torch": torch.__version__, "model": default_model_name(args.model)},
                "configs": {}}
@@ -384,8 +358,13 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
              f"{', '.join(meta['flags'])}; {args.threads} thread(s); {meta['model']}). Milliseconds per decode step: "
              "the step's wall time (engine.step, median of 12), then each kind's own op time under torch's profiler "
              "(pdserve's C++ kernels as annotations), and the overhead: wall time minus all ops (Python, scheduling, "
-             "metadata, dispatch). Layers: each decoder layer's wall time (hooks), min / median / max.", "",
-             *step_markdown(results["configs"])]
+             "metadata, dispatch). Python layers: each decoder layer's wall time (hooks; a fused decode step "
+             "has no layer boundary, so these are the Python layers'), min / median / max.", "",
+             *step_markdown(results["configs"]), "",
+             f"Rooflines (same process): read bandwidth {rooflines['read_bandwidth_gbs']:.1f} GB/s (summing "
+             f"{BANDWIDTH_MIB} MiB); GEMM {' x '.join(map(str, GEMM_SHAPE))}: "
+             + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in rooflines["gemm_gflops"].items()) + ".", "",
+             *roofline_lines(results["configs"], rooflines)]
     if args.no_docs:
         print("\n".join(lines))
     else:

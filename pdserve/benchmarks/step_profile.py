@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from pdserve.benchmarks.rooflines import streamed_weights
 from pdserve.models.native import native_ops
 from pdserve.models.quantization import NativeInt4Weight
 from pdserve.sampling_params import SamplingParams
@@ -155,7 +156,40 @@ def profile_decode(model: str | None, dtype: str, quantization: str, batches: tu
               num_kv_blocks=max(batches) * -(-longest // block_size) + 64)  # every sequence's KV at once
     breakdown(llm, batches[0], contexts[0])  # warm up: the first steps after loading run slow
     points = [breakdown(llm, batch, context) for context in contexts for batch in batches]
-    return {"engine": llm.engine.labels(), "points": points}
+    engine = llm.engine
+    params, weight_bytes = streamed_weights(engine.model_runner.model, engine.plan.torch_dtype)
+    return {"engine": engine.labels(), "points": points, "streamed_params": params, "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": engine.kv_spec.bytes_per_token}
+
+
+def step_bytes(config: dict, batch: int, context: int) -> int:
+    """What a decode step must read: the weights as served, and each sequence's KV at its context."""
+    return config["weight_bytes"] + batch * context * config["kv_bytes_per_token"]
+
+
+def roofline_lines(configs: dict[str, dict], rooflines: dict) -> list[str]:
+    """Each configuration's decode against the machine: batch 1 against the time its bytes take at the
+    read bandwidth, and the cost of each extra sequence against a token's FLOPs at the GEMM rate."""
+    lines = []
+    for name, config in configs.items():
+        dtype = config["engine"]["dtype"]
+        gflops = rooflines["gemm_gflops"].get(dtype)
+        token_ms = 2 * config["streamed_params"] / (gflops * 1e9) * 1e3 if gflops else None
+        by_point = {(p["batch"], p["context"]): p["step_ms"] for p in config["points"]}
+        for context in sorted({c for _, c in by_point}):
+            steps = {b: ms for (b, c), ms in by_point.items() if c == context}
+            if 1 in steps:
+                limit = step_bytes(config, 1, context) / (rooflines["read_bandwidth_gbs"] * 1e9) * 1e3
+                lines.append(f"- {name}, context {context}: batch 1 reads {step_bytes(config, 1, context) / 2**20:.0f} MiB "
+                             f"a step, {limit:.2f} ms at the read bandwidth; the step takes {steps[1]:.2f} ms: "
+                             f"{limit / steps[1]:.2f}x the memory roofline")
+            batches = sorted(steps)
+            extra = [f"{a} -> {b}: {(steps[b] - steps[a]) / (b - a):.2f} ms" for a, b in zip(batches, batches[1:])]
+            if extra and token_ms:
+                lines.append(f"- {name}, context {context}: each extra sequence costs " + ", ".join(extra)
+                             + f"; a token's {2 * config['streamed_params'] / 1e9:.2f} GFLOP take {token_ms:.2f} ms "
+                             f"at the {dtype} GEMM rate ({gflops:.0f} GFLOP/s)")
+    return lines
 
 
 def markdown(configs: dict[str, dict]) -> list[str]:
