@@ -30,6 +30,12 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
                              "Q8_0: int8; float weights: none); the output head is int8 whenever quantized")
 
 
+def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the KV cache's dtype: auto keeps the model's (--dtype); bfloat16 halves a float32 "
+                             "model's KV memory, transfers and decode reads. P and D nodes must agree")
+
+
 def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="compute every token independently of what it is batched with and of how its prompt "
@@ -42,6 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_arg(parser)
     add_quantization_arg(parser)
+    add_kv_cache_dtype_arg(parser)
     add_batch_invariant_arg(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice; with TP, each rank's share of the cores)")
@@ -74,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         batch_invariant=args.batch_invariant,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -416,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_arg(up)
     add_quantization_arg(up)
+    add_kv_cache_dtype_arg(up)
     add_batch_invariant_arg(up)
     up.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GiB")
     up.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS])

@@ -8,6 +8,7 @@ from typing import Any
 from pdserve.platform import kernel_mode
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's compute dtype
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, for decode (models/quantization.py)
 
 
@@ -109,6 +110,9 @@ class EngineConfig:
     model: str | None = None  # HF dir or .gguf file; None = the embedded SmolLM2
     dtype: str = "auto"
     quantization: str = "auto"  # auto | none | int8 | int4 (models/quantization.py; auto follows the GGUF)
+    # The KV cache's dtype: auto keeps the model's compute dtype; bfloat16 halves a float32 model's KV
+    # bytes (pool, transfers, the decode read). P and D must agree (the side channel refuses otherwise).
+    kv_cache_dtype: str = "auto"
     # Every row of a step computed independently of the rows beside it and of how its prompt was
     # chunked (models/batch_invariant.py): PD equals colocated on any dtype, output independent of load.
     batch_invariant: bool = False
@@ -130,6 +134,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         kernel_mode(self.kernels)  # a bad value (or $PDSERVE_KERNELS) is an error now, not at load

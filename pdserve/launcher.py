@@ -71,7 +71,8 @@ def node_command(args, model: str | None) -> list[str]:
 
     command = ["--model", model] if model else []
     command += ["--served-model-name", default_model_name(args.model), "--dtype", args.dtype,
-               "--quantization", args.quantization, "--kv-cache-memory", str(args.kv_cache_memory),
+               "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
+               "--kv-cache-memory", str(args.kv_cache_memory),
                "--kv-transport", args.kv_transport, "--log-level", args.log_level,
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_model_len:

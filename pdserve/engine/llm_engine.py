@@ -29,7 +29,7 @@ from pdserve.models.loader import kv_cache_spec
 from pdserve.models.locate import resolve_model_dir
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import resolve_quantization
-from pdserve.models.registry import read_model_config
+from pdserve.models.registry import model_class, read_model_config
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.platform import plan_kernels
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -57,7 +57,8 @@ class LLMEngine:
         # Tensor parallelism: this process is rank 0 (it schedules); ranks 1.. are started below.
         self.tp = TensorParallel(0, config.tensor_parallel_size)
         self.tp.check(mc.num_heads, mc.num_kv_heads, mc.intermediate_size)
-        self.kv_spec = kv_cache_spec(mc, self.plan.torch_dtype, self.tp)  # what the model keeps per token (this rank's heads)
+        self.kv_dtype = self._kv_dtype(config.kv_cache_dtype, model_class(mc))
+        self.kv_spec = kv_cache_spec(mc, self.kv_dtype, self.tp)  # what the model keeps per token (this rank's heads)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // self._bytes_per_block)
         chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
         self.max_model_len = self._max_model_len(self.kv_spec.capacity_tokens(num_blocks, config.block_size, chunk))
@@ -74,7 +75,8 @@ class LLMEngine:
         rank_spec = RankSpec(str(self.model_dir), self.plan.torch_dtype, config.device, self.max_model_len,
                              self.plan.prepack, self.quantization, self.plan.compiled, num_blocks, config.block_size,
                              self.threads, config.batch_invariant,
-                             tuple(pool.shm_name for pool in self.pools) if len(self.pools) > 1 else ())
+                             tuple(pool.shm_name for pool in self.pools) if len(self.pools) > 1 else (),
+                             kv_dtype=self.kv_dtype)
         self.tp_workers: TPWorkers | None = None
         self.connector_worker: KVConnectorWorker | None = None
         try:
@@ -258,12 +260,21 @@ class LLMEngine:
         return EngineInfo(self.max_model_len, self.block_manager.num_blocks, self.labels(), self.model_config.vocab_size,
                           self.tokenizer.template_knows_tools)
 
+    def _kv_dtype(self, requested: str, cls: type) -> torch.dtype:
+        """The KV cache's dtype: `auto` is the model's compute dtype."""
+        if requested == "auto" or getattr(torch, requested) == self.plan.torch_dtype:
+            return self.plan.torch_dtype
+        if cls.decode_attention != "paged":
+            raise ValueError(f"--kv-cache-dtype {requested}: {cls.__name__} keeps its own attention's cache in "
+                             f"the model's dtype ({self.plan.dtype}); use --kv-cache-dtype auto")
+        return getattr(torch, requested)
+
     def labels(self) -> dict[str, str]:
         """How this engine computes: the kernel plan, the weights' quantization, the decode attention,
         whether decode steps run fused (models/decode_stack.py)."""
         fused = self.model_runner.model.decode_stack is not None
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
-                "decode_step": "fused" if fused else "python",
+                "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower()}
 

@@ -26,6 +26,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_cache = pool.tensor
         self.kv_caches = pool.layer_caches()
+        # The queries' dtype (the KV cache may keep another: --kv-cache-dtype), which SDPA's masks take.
+        self.compute_dtype = getattr(model, "compute_dtype", pool.tensor.dtype)
         # Each KV group's attention window; every layer reads its group's metadata (pool.layer_groups).
         self.group_windows = [group.window for group in pool.groups]
 
@@ -163,7 +165,7 @@ class ModelRunner:
         context = torch.tensor(lens, device=dev).unsqueeze(1)
         positions = torch.arange(width * bs, device=dev)
         visible = (positions < context) & (positions >= context - window) if window else positions < context
-        mask = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+        mask = torch.zeros(visible.shape, dtype=self.compute_dtype, device=dev).masked_fill_(~visible, float("-inf"))
         return DecodeGroup(start, end, padded, mask[:, None, None, :], torch.tensor(lens, device=dev), window=window)
 
 

@@ -31,6 +31,7 @@ class RankSpec:
     threads: int | None
     batch_invariant: bool  # models/batch_invariant.py
     pool_shm_names: tuple[str, ...] = ()  # a node with a KV role: rank 0 made every rank's pool, by rank
+    kv_dtype: torch.dtype | None = None  # the KV pool's (--kv-cache-dtype); None: the model's dtype
 
 
 def set_up_rank(spec: RankSpec, tp: TensorParallel) -> tuple[torch.nn.Module, DecodeKernel | None]:

@@ -97,7 +97,8 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
                             timeout=timedelta(seconds=TIMEOUT_S))
     tp = TensorParallel(rank, size)
     model, kernel = set_up_rank(spec, tp)
-    pool = KVPool.for_model(kv_cache_spec(read_model_config(spec.model_dir), spec.dtype, tp), spec.num_blocks,
+    pool = KVPool.for_model(kv_cache_spec(read_model_config(spec.model_dir), spec.kv_dtype or spec.dtype, tp),
+                            spec.num_blocks,
                             spec.block_size, spec.device,
                             shm_name=spec.pool_shm_names[rank] if spec.pool_shm_names else None)
     kv_caches = pool.layer_caches()

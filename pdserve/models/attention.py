@@ -90,8 +90,10 @@ def paged_attention(
 ) -> torch.Tensor:
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    # The cache may keep another dtype than the model's (--kv-cache-dtype): stored rounded to it,
+    # read back as the query's dtype.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     out = torch.empty_like(q)
     if meta.rows_alone is not None:
@@ -102,7 +104,7 @@ def paged_attention(
             meta.decode_kernel(q[group.start : group.end], kv_cache, group.block_tables, group.context_lens,
                                out[group.start : group.end], scale, group.partition_blocks, window)
             continue
-        keys, values = gather_blocks(kv_cache, group.block_tables).transpose(2, 3)  # [B, KVH, L, D]
+        keys, values = gather_blocks(kv_cache, group.block_tables).to(q.dtype).transpose(2, 3)  # [B, KVH, L, D]
         query = q[group.start : group.end].unsqueeze(2)  # [B, H, 1, D]
         mask = group.mask
         if window and group.window != window:  # positions before each row's window hidden too
@@ -125,8 +127,8 @@ def paged_attention(
             # blocks of its table are the null block).
             first_block = max(0, ctx - n - window + 1) // block_size if window else 0
             first_key = first_block * block_size
-            keys, values = gather_blocks(kv_cache, chunk.block_table[first_block:])[:, : ctx - first_key].transpose(
-                1, 2).unsqueeze(1)
+            keys, values = gather_blocks(kv_cache, chunk.block_table[first_block:])[:, : ctx - first_key].to(
+                q.dtype).transpose(1, 2).unsqueeze(1)
         if window:
             o = _windowed_prefill(query, keys, values, ctx - n, first_key, window, scale)
         elif chunk.block_table is None:
@@ -173,7 +175,7 @@ def _attend_rows_alone(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowsAlone,
     lens, block_size = rows.context_lens.tolist(), kv_cache.shape[2]
     for start, end in rows.sequences:
         table = rows.block_tables[start, : -(-lens[end - 1] // block_size)]
-        keys, values = gather_blocks(kv_cache, table).transpose(1, 2).unsqueeze(1)  # [2, 1, KVH, L, D]
+        keys, values = gather_blocks(kv_cache, table).to(q.dtype).transpose(1, 2).unsqueeze(1)  # [2, 1, KVH, L, D]
         for i in range(start, end):
             first = max(0, lens[i] - window) if window else 0
             o = F.scaled_dot_product_attention(q[i, None, :, None], keys[..., first : lens[i], :],

@@ -95,8 +95,8 @@ class DecodeStack {
       const at::Tensor q = qk.slice(1, 0, heads_), k = qk.slice(1, heads_);
       // paged_attention: the new K and V into their slots, then the decode kernel (one group).
       const at::Tensor& kv_cache = kv_caches[i];
-      kv_cache.select(0, 0).view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, k);
-      kv_cache.select(0, 1).view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, v);
+      kv_cache.select(0, 0).view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, k.to(kv_cache.scalar_type()));
+      kv_cache.select(0, 1).view({-1, kv_heads_, head_dim_}).index_copy_(0, slot_mapping, v.to(kv_cache.scalar_type()));
       at::Tensor attended = at::empty_like(q);
       {
         RECORD_FUNCTION("native::paged_decode_attention", std::vector<c10::IValue>());
