@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "int8_head.cpp",
                                    "int4_linear.cpp", "decode_stack.cpp")]
-HEADERS = [CSRC / "vec_math.h"]
+HEADERS = [CSRC / "vec_math.h", CSRC / "kernels.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"
 STALE_BUILD_LOCK_S = 600.0  # a build takes about a minute here; a lock this old belongs to a killed one

@@ -1,19 +1,6 @@
 // The Python module of pdserve's C++ kernels (built by pdserve/models/native.py).
 
-#include <torch/extension.h>
-
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
-                            int64_t window);
-void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
-                  at::Tensor& out, double eps);
-void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
-#if defined(__AVX512BF16__)
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros);
-void bind_decode_stack(pybind11::module& m);
-#endif
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)",

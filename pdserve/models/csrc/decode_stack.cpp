@@ -6,21 +6,13 @@
 //
 // Each kernel call is a profiler range (`native::...`), so the step profile still sees them.
 
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/record_function.h>
 
 #include <vector>
 
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
-                            int64_t window);
-void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
-                  at::Tensor& out, double eps);
-void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
 #if defined(__AVX512BF16__)
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros);
 
 namespace {
 
