@@ -56,16 +56,20 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *paths])
 
 
-def build() -> ModuleType:
-    """Compile (or load the cached build of) the extension; raises if that is impossible."""
+def build(march: str = "native", directory: Path | None = None) -> ModuleType:
+    """Compile (or load the cached build of) the extension; raises if that is impossible. Another
+    `march` (x86-64-v3: AVX2; skylake-avx512: AVX-512 without bf16) builds what a CPU of that kind
+    would, into `directory` (tests/test_other_cpus.py)."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    directory = build_dir()
+    name = MODULE_NAME if march == "native" else f"{MODULE_NAME}_{march.replace('-', '_')}"
+    directory = directory or build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_lock(directory / "lock")
-    return load(name=MODULE_NAME, sources=[str(s) for s in SOURCES], build_directory=str(directory),
-                extra_cflags=CFLAGS, verbose=False)
+    cflags = [flag if flag != "-march=native" else f"-march={march}" for flag in CFLAGS]
+    return load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(directory), extra_cflags=cflags,
+                verbose=False)
 
 
 def remove_stale_lock(lock: Path) -> None:
