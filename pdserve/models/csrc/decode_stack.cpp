@@ -55,8 +55,6 @@ class DecodeStack {
                             window});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // residual [T, hidden] float32 (the embeddings; updated in place), T decode rows. Returns the last
   // layer's output, which the final norm adds into the residual (DecoderLM.forward).
   at::Tensor forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -127,7 +125,6 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::ScalarType>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);
 }
 #endif  // __AVX512BF16__

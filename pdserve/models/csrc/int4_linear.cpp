@@ -50,40 +50,43 @@ inline __m512 bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// RB rows x CB blocks of 16 columns (of one panel of 64: CB = 4 keeps four FMA chains in flight). A lane is a column: no horizontal sums.
+constexpr int kBlocks = 4;  // blocks of 16 columns a pass computes: four FMA chains in flight
+constexpr int64_t kPanel = kBlocks * 16;  // columns whose codes lie together
+
+// RB rows x the kBlocks blocks of 16 columns of one panel. A lane is a column: no horizontal sums.
 // Per group, a block's codes are 4 vectors of 32 u16 lanes, 4 nibbles each: lane 2j + p, nibble t of
 // vector l holds column j's code at k = 32 g + 2 (4 l + t) + p, so (lane >> 4 t) & 15 | 0x4300 is a
 // dot product step's weights (128 + q as bf16) for the k pair 2 (4 l + t). A panel's codes are
 // [K / 32, 4 (l), 4 (blocks), 32 lanes] and its scales [K / 32, 4 (blocks), 2 (scale, zero), 16]: one
 // stream the prefetcher follows.
-template <int RB, int CB>
+template <int RB>
 void tile(const uint16_t* xb, const float* sums, int64_t k, const uint16_t* codes, const uint16_t* sz, float* out,
           int64_t out_stride) {
   const int64_t groups = k / kGroup;
   const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
-  __m512 acc[RB][CB];
+  __m512 acc[RB][kBlocks];
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kBlocks; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[RB][CB];
+    __m512 part[RB][kBlocks];
     for (int r = 0; r < RB; ++r)
-      for (int c = 0; c < CB; ++c) part[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < kBlocks; ++c) part[r][c] = _mm512_setzero_ps();
     for (int l = 0; l < 4; ++l) {
-      __m512i raw[CB];
-      for (int c = 0; c < CB; ++c) raw[c] = _mm512_loadu_si512(codes + g * 512 + l * 128 + c * 32);
+      __m512i raw[kBlocks];
+      for (int c = 0; c < kBlocks; ++c) raw[c] = _mm512_loadu_si512(codes + g * 512 + l * 128 + c * 32);
       for (int t = 0; t < 4; ++t) {
-        __m512bh w[CB];
-        for (int c = 0; c < CB; ++c)
+        __m512bh w[kBlocks];
+        for (int c = 0; c < kBlocks; ++c)
           w[c] = reinterpret_cast<__m512bh>(
               _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw[c], 4 * t), nibble, bf16_128, 0xEA));  // (a & b) | c
         const int64_t kk = g * kGroup + 2 * (4 * l + t);
         for (int r = 0; r < RB; ++r) {
           const __m512bh x = pair(xb + r * k + kk);
-          for (int c = 0; c < CB; ++c) part[r][c] = _mm512_dpbf16_ps(part[r][c], w[c], x);
+          for (int c = 0; c < kBlocks; ++c) part[r][c] = _mm512_dpbf16_ps(part[r][c], w[c], x);
         }
       }
     }
-    for (int c = 0; c < CB; ++c) {
+    for (int c = 0; c < kBlocks; ++c) {
       const uint16_t* s = sz + g * 128 + c * 32;  // the block's 16 scales, then its 16 zeros
       const __m512 scale = bf16x16(s);
       const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, bf16x16(s + 16));
@@ -94,10 +97,9 @@ void tile(const uint16_t* xb, const float* sums, int64_t k, const uint16_t* code
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(out + r * out_stride + c * 16, acc[r][c]);
+    for (int c = 0; c < kBlocks; ++c) _mm512_storeu_ps(out + r * out_stride + c * 16, acc[r][c]);
 }
 
-constexpr int64_t kPanel = 64;  // columns whose codes lie together: 4 blocks of 16
 constexpr int64_t kPassRows = 2;  // rows a panel's pass computes (more spill registers or starve the prefetcher)
 
 }  // namespace
@@ -130,7 +132,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {  // the panel's codes stay in L1 for the next rows
-        const auto tile_fn = m - r0 == 1 ? tile<1, 4> : tile<2, 4>;
+        const auto tile_fn = m - r0 == 1 ? tile<1> : tile<2>;
         tile_fn(xbits + r0 * k, sums.data() + r0 * groups, k, q + p * groups * 512, sz + p * groups * 128,
                 o + r0 * n + p * kPanel, n);
       }
