@@ -1,10 +1,13 @@
 """Several hosts on one machine, for multi-host tests and benchmarks: network namespaces on a bridge.
 
-Each `Host` is a network namespace with one address from 198.18.0.0/24 (the benchmarking range,
-RFC 2544) on a veth pair whose other end sits on a bridge in this (the root) namespace, which
-holds 198.18.0.254. This process reaches every host, the hosts reach each other, and nothing is
-routed anywhere else: the namespaces have no default route and nothing forwards. Everything made
-is deleted on exit, and every process left in a namespace killed first.
+Each `Host` is a network namespace with one address from a /24 of 198.18.0.0/15 (the benchmarking
+range, RFC 2544) on a veth pair whose other end sits on a bridge in this (the root) namespace, which
+holds the subnet's .254. This process reaches every host, the hosts reach each other, and nothing is
+routed anywhere else: the namespaces have no default route and nothing forwards. The /24 is one no
+address or route of this machine touches (another run's bridge, a network that uses the range), and
+once made, this namespace's route to every host is checked to go through the bridge: a host's
+address that led off the machine would send the tests' traffic there. Everything made is deleted on
+exit, and every process left in a namespace killed first.
 
 Needs root (CAP_NET_ADMIN) and iproute2's `ip`; `why_not()` says what is missing where they are not.
 
@@ -22,11 +25,12 @@ import tempfile
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
+from ipaddress import IPv4Network, ip_network
 from pathlib import Path
 
 from pdserve.models.locate import cache_root
 
-NET = "198.18.0"
+RANGE = IPv4Network("198.18.0.0/15")
 BRIDGE_HOST = 254  # this namespace's address on the bridge
 
 
@@ -46,8 +50,38 @@ def why_not() -> str | None:
     return None
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+def _ip(*args: str) -> str:
+    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
+
+
+def taken_networks() -> list[IPv4Network]:
+    """The IPv4 networks this namespace's addresses and routes (every table; default routes aside) cover."""
+    taken = []
+    for line in _ip("-4", "-o", "addr", "show").splitlines():  # "2: eth0    inet 10.0.0.2/24 brd ..."
+        taken.append(ip_network(line.split()[3], strict=False))
+    for line in _ip("-4", "route", "show", "table", "all").splitlines():
+        words = line.split()
+        if words and words[0] in ("broadcast", "local", "unicast", "anycast", "multicast", "blackhole", "unreachable",
+                                     "prohibit", "throw", "nat"):
+            words = words[1:]
+        if words and words[0] != "default":
+            with suppress(ValueError):
+                taken.append(ip_network(words[0], strict=False))
+    return taken
+
+
+def free_subnet(start: int | None = None) -> IPv4Network:
+    """A /24 of 198.18.0.0/15 that no address or route here overlaps, searched from `start` (default:
+    from this process's pid, so that runs at the same time start apart)."""
+    subnets = list(RANGE.subnets(new_prefix=24))
+    taken = taken_networks()
+    first = os.getpid() if start is None else start
+    for i in range(len(subnets)):
+        subnet = subnets[(first + i) % len(subnets)]
+        # A route wider than the range (a /8 over it) is overridden by the bridge's /24; one as narrow is not.
+        if not any(subnet.overlaps(net) and net.prefixlen >= RANGE.prefixlen for net in taken):
+            return subnet
+    raise RuntimeError(f"every /24 of {RANGE} is taken by this machine's addresses or routes")
 
 
 @dataclass
@@ -76,6 +110,7 @@ class Hosts:
     count: int
     tag: str = field(default_factory=lambda: str(os.getpid()))
     hosts: list[Host] = field(default_factory=list)
+    subnet: IPv4Network | None = None  # chosen on entry (free_subnet)
 
     @property
     def bridge(self) -> str:
@@ -86,12 +121,14 @@ class Hosts:
         return f"pdv{self.tag}{end}{i}"[:15]
 
     def __enter__(self) -> list[Host]:
+        self.subnet = self.subnet or free_subnet()
+        address = lambda i: str(self.subnet[i])  # noqa: E731
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{NET}.{BRIDGE_HOST}/24", "dev", self.bridge)
+            _ip("addr", "add", f"{address(BRIDGE_HOST)}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i in range(self.count):
-                host = Host(f"pdserve-{self.tag}-{i}", f"{NET}.{i + 1}")
+                host = Host(f"pdserve-{self.tag}-{i}", address(i + 1))
                 _ip("netns", "add", host.ns)
                 self.hosts.append(host)
                 outer, inner = self._veth(i, "o"), self._veth(i, "i")
@@ -102,10 +139,21 @@ class Hosts:
                 _ip("-n", host.ns, "addr", "add", f"{host.address}/24", "dev", inner)
                 _ip("-n", host.ns, "link", "set", inner, "up")
                 _ip("-n", host.ns, "link", "set", "lo", "up")
+            self._check_routes()
         except BaseException:
             self.__exit__()
             raise
         return self.hosts
+
+    def _check_routes(self) -> None:
+        """This namespace's route to every host goes through the bridge (not off the machine: a policy
+        rule or a route of the machine's own may win over the bridge's)."""
+        for host in self.hosts:
+            got = subprocess.run(["ip", "-4", "route", "get", host.address], capture_output=True, text=True)
+            route = (got.stdout + got.stderr).strip()
+            if got.returncode != 0 or f" dev {self.bridge} " not in f" {route} ":
+                raise RuntimeError(f"{host.address} is not reached through the test bridge {self.bridge} here "
+                                   f"(ip route get: {route}); refusing to send test traffic there")
 
     def __exit__(self, *exc_info: object) -> None:
         for i, host in enumerate(self.hosts):
