@@ -4,25 +4,14 @@ nothing of this machine uses, reached through its own bridge and nowhere else, g
 from __future__ import annotations
 
 import subprocess
-import sys
 from contextlib import contextmanager
 from ipaddress import IPv4Network
 
 import pytest
 
-from pdserve.testing.netns import RANGE, Hosts, free_subnet, why_not
+from pdserve.testing.netns import RANGE, RULE_PREF, Hosts, free_subnet, why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"needs network namespaces: {why_not()}")
-
-# Listens in a namespace on (argv[1], a free port), prints the port, answers one connection with "hi".
-ANSWER_ONCE = """
-import socket, sys
-server = socket.create_server((sys.argv[1], 0))
-print(server.getsockname()[1], flush=True)
-conn, _ = server.accept()
-conn.sendall(b"hi")
-conn.close()
-"""
 
 
 @contextmanager
@@ -35,24 +24,13 @@ def blackhole(network: str):
         subprocess.run(["ip", "route", "del", "blackhole", network], check=True)
 
 
-def reached_from_here(host, client_ns: str | None = None) -> bool:
-    server = host.popen([sys.executable, "-c", ANSWER_ONCE, host.address], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
-        connect = f"import socket; print(socket.create_connection(('{host.address}', {port}), timeout=5).recv(2))"
-        argv = [sys.executable, "-c", connect]
-        if client_ns:
-            argv = ["ip", "netns", "exec", client_ns, *argv]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip() == "b'hi'"
-    finally:
-        server.kill()
-        server.wait()
-
-
-def leftovers(tag: str) -> list[str]:
+def leftovers(tag: str, subnet: IPv4Network | None = None) -> list[str]:
+    """What a set of hosts tagged `tag` (on `subnet`) left: namespaces, links, its policy rule."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [line for line in (names + links).splitlines() if f"pdserve-{tag}-" in line or f"pdbr{tag}" in line]
+    rules = subprocess.run(["ip", "rule"], capture_output=True, text=True).stdout
+    return [line for line in (names + links).splitlines() if f"pdserve-{tag}-" in line or f"pdbr{tag}" in line] + \
+        [line for line in rules.splitlines() if line.startswith(f"{RULE_PREF}:") and f"to {subnet} " in f"{line} "]
 
 
 def test_a_subnet_the_machine_routes_is_skipped():
@@ -66,11 +44,12 @@ def test_a_subnet_the_machine_routes_is_skipped():
 
 def test_two_sets_of_hosts_at_once_take_different_subnets_each_reached_only_through_its_bridge():
     with Hosts(2, tag="t1") as a, Hosts(2, tag="t2") as b:
-        net = lambda hosts: IPv4Network(f"{hosts[0].address}/24", strict=False)  # noqa: E731
-        assert net(a) != net(b) and net(a).subnet_of(RANGE) and net(b).subnet_of(RANGE)
-        assert reached_from_here(a[1]) and reached_from_here(b[0])
-        assert reached_from_here(a[1], client_ns=a[0].ns)  # the hosts reach each other
-    assert leftovers("t1") == [] and leftovers("t2") == []
+        nets = [IPv4Network(f"{hosts[0].address}/24", strict=False) for hosts in (a, b)]
+        assert nets[0] != nets[1] and all(net.subnet_of(RANGE) for net in nets)
+        assert a[1].reached() == "" and b[0].reached() == ""
+        assert a[1].reached(from_ns=a[0].ns) == ""  # the hosts reach each other
+        assert b[0].reached(from_ns=a[0].ns, timeout_s=2) != ""  # not another set's
+    assert leftovers("t1", nets[0]) == [] and leftovers("t2", nets[1]) == []
 
 
 def test_hosts_whose_address_would_leave_through_another_route_are_refused_and_removed():
@@ -79,4 +58,18 @@ def test_hosts_whose_address_would_leave_through_another_route_are_refused_and_r
         with pytest.raises(RuntimeError, match="not reached through the test bridge"):
             with Hosts(2, tag="t3", subnet=subnet):
                 pass
-    assert leftovers("t3") == []
+    assert leftovers("t3", subnet) == []
+
+
+def test_hosts_are_reached_past_a_policy_rule_that_sends_their_subnet_elsewhere():
+    """As on a machine whose VPN or proxy looks everything up in a table of its own first."""
+    subnet = free_subnet(start=5)
+    subprocess.run(["ip", "route", "add", "blackhole", "default", "table", "4242"], check=True)
+    subprocess.run(["ip", "rule", "add", "to", str(subnet), "lookup", "4242", "pref", "1000"], check=True)
+    try:
+        with Hosts(2, tag="t4", subnet=subnet) as hosts:
+            assert hosts[0].reached() == "" and hosts[1].reached() == ""
+    finally:
+        subprocess.run(["ip", "rule", "del", "to", str(subnet), "lookup", "4242", "pref", "1000"], check=True)
+        subprocess.run(["ip", "route", "del", "blackhole", "default", "table", "4242"], check=True)
+    assert leftovers("t4", subnet) == []

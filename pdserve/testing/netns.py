@@ -32,6 +32,17 @@ from pdserve.models.locate import cache_root
 
 RANGE = IPv4Network("198.18.0.0/15")
 BRIDGE_HOST = 254  # this namespace's address on the bridge
+RULE_PREF = 99  # the hosts' policy rule: before the machine's own (32766 is the main table's)
+# Listens on (argv[1], a free port), prints the port, answers the first connection "hi" and exits.
+ANSWER_ONCE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+server.settimeout(30)
+conn, _ = server.accept()
+conn.sendall(b"hi")
+conn.close()
+"""
 
 
 def why_not() -> str | None:
@@ -98,6 +109,26 @@ class Host:
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(argv), **kwargs)
 
+    def reached(self, from_ns: str | None = None, timeout_s: float = 10.0) -> str:
+        """Why a TCP connection from this namespace (or from namespace `from_ns`) to the host fails, or ""."""
+        server = self.popen([sys.executable, "-c", ANSWER_ONCE, self.address], stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(server.stdout.readline())
+            client = [sys.executable, "-c", "import socket, sys; s = socket.create_connection((sys.argv[1], "
+                      f"int(sys.argv[2])), timeout={timeout_s}); print(s.recv(2).decode())", self.address, str(port)]
+            if from_ns:
+                client = ["ip", "netns", "exec", from_ns, *client]
+            done = subprocess.run(client, capture_output=True, text=True, timeout=timeout_s + 20)
+            return "" if done.stdout.strip() == "hi" else (done.stderr.strip().splitlines() or ["no answer"])[-1]
+        finally:
+            server.kill()
+            server.wait()
+
+    def check_reached(self) -> None:
+        if why := self.reached():
+            raise RuntimeError(f"this namespace does not reach the test host {self.address} over TCP ({why}): "
+                               "a firewall of this machine's?")
+
     def pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
@@ -111,6 +142,7 @@ class Hosts:
     tag: str = field(default_factory=lambda: str(os.getpid()))
     hosts: list[Host] = field(default_factory=list)
     subnet: IPv4Network | None = None  # chosen on entry (free_subnet)
+    rule_added: bool = False
 
     @property
     def bridge(self) -> str:
@@ -139,7 +171,13 @@ class Hosts:
                 _ip("-n", host.ns, "addr", "add", f"{host.address}/24", "dev", inner)
                 _ip("-n", host.ns, "link", "set", inner, "up")
                 _ip("-n", host.ns, "link", "set", "lo", "up")
+            # Ahead of any policy rule of the machine's own (a VPN's or a proxy's table): the hosts'
+            # subnet is looked up in the main table, where the bridge's route is. Removed on exit.
+            _ip("rule", "add", "to", str(self.subnet), "lookup", "main", "pref", str(RULE_PREF))
+            self.rule_added = True
             self._check_routes()
+            for host in self.hosts:
+                host.check_reached()
         except BaseException:
             self.__exit__()
             raise
@@ -165,6 +203,10 @@ class Hosts:
                 _ip("netns", "del", host.ns)
         with suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.bridge)
+        if self.rule_added:
+            with suppress(subprocess.CalledProcessError):
+                _ip("rule", "del", "to", str(self.subnet), "lookup", "main", "pref", str(RULE_PREF))
+            self.rule_added = False
         self.hosts = []
 
 
