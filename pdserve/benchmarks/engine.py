@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from pdserve.benchmarks import kernels
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.rooflines import (
     BANDWIDTH_MIB,
@@ -283,9 +284,15 @@ def main() -> None:
                         help="instead: where a decode step's time goes, by op kind and by layer, at batch 1 / 8 / 32 "
                              "and context 128 / 2048, on the default path (and each of --dtypes given), into "
                              "docs/results/engine_breakdown.json and its section of docs/benchmarks.md")
+    parser.add_argument("--kernels", action="store_true",
+                        help="instead: pdserve's C++ kernels alone on SmolLM2's shapes (int4 projection, decode "
+                             "attention, int8 head) against torch's, into docs/results/engine_kernels.json")
     args = parser.parse_args()
     if args.breakdown:
         run_breakdown(args, explicit_dtypes="--dtypes" in sys.argv)
+        return
+    if args.kernels:
+        run_kernels(args)
         return
 
     if args.only:  # child process: one system, one dtype, JSON on the last stdout line
@@ -370,6 +377,28 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
     else:
         publish(results, "docs/results/engine_breakdown.json", "engine_breakdown",
                 "Engine: where a decode step's time goes (issue 35)", "\n".join(lines))
+
+
+def run_kernels(args: argparse.Namespace) -> None:
+    from pdserve.models.native import native_ops
+
+    torch.set_num_threads(args.threads)
+    ops = native_ops()
+    if ops is None:
+        sys.exit("pdserve's C++ kernels are not built here (see the warning above): nothing to measure")
+    cpu = CpuInfo.detect()
+    flags = sorted(f for f in cpu.flags if f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"))
+    results = {"meta": {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "flags": flags, "threads": args.threads,
+                        "torch": torch.__version__},
+               "read_bandwidth_gbs": read_bandwidth_gbs(), **kernels.run(ops, repeats=5 if args.quick else 20)}
+    lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels` ({results['meta']['date']}; {cpu.model}, "
+             f"{', '.join(flags)}; {args.threads} thread(s); read bandwidth {results['read_bandwidth_gbs']:.1f} GB/s "
+             "in the same process). Medians of 20 calls.", "", *kernels.markdown(results)]
+    if args.no_docs:
+        print("\n".join(lines))
+    else:
+        publish(results, "docs/results/engine_kernels.json", "engine_kernels",
+                "Engine: pdserve's kernels alone (issue 35)", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""pdserve's C++ kernels alone, on SmolLM2's shapes, against what the engine would run without them:
+`python -m pdserve.benchmarks.engine --kernels`.
+
+- int4 projection: 30 layers' gate/up (3072 x 576, 30 distinct weights, as a step streams them) at
+  1 / 8 / 16 rows: `int4_linear` (AVX512-BF16 CPUs), torch's int4 kernel, oneDNN bf16 on the
+  dequantized weight.
+- Decode attention: 30 layers' bf16 KV (9 query heads, 3 KV heads of 64; blocks of 16, scattered as
+  a pool leaves them), 1 x 2048, 8 x 2048 and 8 x 128 keys: the C++ kernel, and the GB/s of KV it reads.
+- The int8 output head (49152 x 576, Q8_0 groups) at 1 / 8 rows: `int8_head` against float32 F.linear
+  on the dequantized weight.
+Each figure is the median of `repeats` timed calls after one warm-up, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.models.quantization import INT8_GROUP, native_int4_kernel, quantize_int4, quantize_int8_groups
+
+LAYERS = 30
+HIDDEN, GATE_UP, VOCAB = 576, 3072, 49152
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+INT4_ROWS = (1, 8, 16)
+ATTENTION_CASES = ((1, 2048), (8, 2048), (8, 128))
+HEAD_ROWS = (1, 8)
+
+
+def median_ms(call: Callable[[], object], repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def int4_projection(ops: ModuleType, repeats: int) -> dict:
+    torch.manual_seed(0)
+    weights = [torch.randn(GATE_UP, HIDDEN) * 0.05 for _ in range(LAYERS)]
+    native_kernel = native_int4_kernel(ops)
+    native = [quantize_int4(w, native_kernel)[0] for w in weights] if native_kernel else None
+    torch_int4, dense = [], []
+    for w in weights:
+        quantized, dequantized = quantize_int4(w)
+        torch_int4.append(quantized)
+        dense.append(torch.ops.mkldnn._reorder_linear_weight(dequantized.bfloat16()))
+    results = {}
+    for rows in INT4_ROWS:
+        x = torch.randn(rows, HIDDEN).bfloat16()
+        entry = {"torch_int4": median_ms(lambda: [q(x) for q in torch_int4], repeats),
+                 "onednn_bf16": median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                                   for w in dense], repeats)}
+        if native is not None:
+            entry["int4_linear"] = median_ms(lambda: [q(x) for q in native], repeats)
+        results[str(rows)] = entry
+    int4_bytes = sum(q.nbytes for q in torch_int4)
+    return {"rows": results, "int4_mib": int4_bytes / 2**20}
+
+
+def attention(ops: ModuleType, repeats: int) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for batch, context in ATTENTION_CASES:
+        blocks_each = -(-context // BLOCK)
+        pool = batch * blocks_each + 1
+        caches = [torch.randn(2, pool, BLOCK, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+        tables = torch.randperm(pool - 1)[: batch * blocks_each].reshape(batch, blocks_each) + 1  # scattered
+        lens = torch.full((batch,), context, dtype=torch.int64)
+        query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+        out = torch.empty_like(query)
+        # As the engine sizes partitions (model_runner._kernel_group): 4 units a thread, at least 8 blocks.
+        partition = max(8, -(-blocks_each // -(-4 * torch.get_num_threads() // batch)))
+        ms = median_ms(lambda: [ops.paged_decode_attention(query, kv, tables, lens, out, HEAD_DIM ** -0.5, partition, 0)
+                                for kv in caches], repeats)
+        kv_bytes = LAYERS * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+        results[f"{batch}x{context}"] = {"ms": ms, "kv_gbs": kv_bytes / ms / 1e6}
+    return results
+
+
+def int8_head(ops: ModuleType, repeats: int) -> dict:
+    torch.manual_seed(0)
+    head = quantize_int8_groups(torch.randn(VOCAB, HIDDEN) * 0.05)
+    dequantized = (head.codes.float().reshape(VOCAB, -1, INT8_GROUP) * head.scales.unsqueeze(-1)).reshape(VOCAB, HIDDEN)
+    results = {}
+    for rows in HEAD_ROWS:
+        x = torch.randn(rows, HIDDEN)
+        results[str(rows)] = {"int8_head": median_ms(lambda: ops.int8_head(x, head.codes, head.scales), repeats),
+                              "float32_linear": median_ms(lambda: F.linear(x, dequantized), repeats)}
+    return results
+
+
+def run(ops: ModuleType, repeats: int = 20) -> dict:
+    return {"int4_projection": int4_projection(ops, repeats), "attention": attention(ops, repeats),
+            "int8_head": int8_head(ops, repeats)}
+
+
+def markdown(results: dict) -> list[str]:
+    int4, rows = results["int4_projection"], results["int4_projection"]["rows"]
+    kinds = [k for k in ("int4_linear", "torch_int4", "onednn_bf16") if k in rows[str(INT4_ROWS[0])]]
+    lines = [f"int4 projection, {LAYERS} x gate/up ({GATE_UP} x {HIDDEN}; {int4['int4_mib']:.1f} MiB of int4), ms:", "",
+             "| rows | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+    lines += [f"| {r} | " + " | ".join(f"{rows[r][k]:.2f}" for k in kinds) + " |" for r in rows]
+    lines += ["", f"Decode attention, {LAYERS} layers, bf16 KV ({HEADS} heads, {KV_HEADS} KV heads of {HEAD_DIM}):", "",
+              "| batch x context | ms | KV read GB/s |", "|---|---|---|"]
+    lines += [f"| {case} | {v['ms']:.2f} | {v['kv_gbs']:.1f} |" for case, v in results["attention"].items()]
+    lines += ["", f"Output head ({VOCAB} x {HIDDEN}), ms:", "", "| rows | int8_head | float32 F.linear |", "|---|---|---|"]
+    lines += [f"| {r} | {v['int8_head']:.2f} | {v['float32_linear']:.2f} |" for r, v in results["int8_head"].items()]
+    return lines
