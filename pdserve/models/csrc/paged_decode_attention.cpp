@@ -165,6 +165,26 @@ inline __m512 sum_each(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
+#if defined(__AVX512BF16__)
+// One key's dot product with a query as 16 partial sums: VECTORS x 32 bf16 of each, q = hi (+ lo).
+template <int VECTORS>
+inline __m512 bf16_dots(const c10::BFloat16* q_hi, const c10::BFloat16* q_lo, const c10::BFloat16* k) {
+  __m512 dot = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int v = 0; v < VECTORS; ++v) {
+    const __m512bh key = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+    dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q_hi + 32 * v), key);
+    if (q_lo != nullptr) dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q_lo + 32 * v), key);
+  }
+  return dot;
+}
+#else
+template <int VECTORS>
+inline __m512 bf16_dots(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*) {
+  return _mm512_setzero_ps();  // never called: BF16_DOTS needs AVX512-BF16
+}
+#endif
+
 // exp_nonpositive (vec_math.h) on 16 lanes: the same reduction and polynomial, 2^n by scalef.
 inline __m512 exp_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -189,9 +209,15 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // (float32, online softmax), summed in another order. Measured on SmolLM2's shape (AMD EPYC, one
 // thread, bf16 KV, 30 layers): 1 x 2048 keys 5.8 -> 4.8 ms, 8 x 2048 43.9 -> 37.8 ms, 8 x 128
 // 2.9 -> 2.6 ms; still ~10 GB/s of the ~27 a plain read reaches (the next thing to find).
-template <typename scalar_t, int CHUNKS>
+//
+// BF16_DOTS (bf16 KV on a CPU with AVX512-BF16): the scores on bf16 dot products instead, the query
+// as bf16 (a bf16 model's query exactly; a float32 one's as the sum of two bf16 parts, hi and lo),
+// scaled after the dot. A K row then needs no conversion: 2 vdpbf16ps per 64 elements where the
+// float32 path spends 4 conversions and 4 FMAs per query head.
+template <typename scalar_t, int CHUNKS, bool BF16_DOTS>
 void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this sequence, scaled
-                             const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* blocks,
+                             const c10::BFloat16* q_hi, const c10::BFloat16* q_lo,  // BF16_DOTS: unscaled; lo or null
+                             float scale, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* blocks,
                              int64_t first_block, int64_t last_block, int64_t start, int64_t context_len,
                              int64_t block_size, int64_t kv_heads, int64_t group, Partial* parts /* [kv_heads] */) {
   constexpr int64_t dim = CHUNKS * 16;
@@ -233,13 +259,19 @@ void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this
           for (int64_t j = 0; j < 16; ++j) {
             // A key outside [lo, hi) may be unwritten: its lane computes a valid key's, then is masked.
             const scalar_t* k = k_block + std::min(std::max(j0 + j, lo), hi - 1) * row_stride;
-            dots[j] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * dim), load_lanes(k, 0));
+            if constexpr (BF16_DOTS) {
+              dots[j] = bf16_dots<CHUNKS / 2>(q_hi + (h * group + g) * dim, q_lo ? q_lo + (h * group + g) * dim : nullptr,
+                                              reinterpret_cast<const c10::BFloat16*>(k));
+            } else {
+              dots[j] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * dim), load_lanes(k, 0));
 #pragma GCC unroll 16
-            for (int c = 1; c < CHUNKS; ++c)
-              dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * dim + 16 * c), load_lanes(k, c), dots[j]);
+              for (int c = 1; c < CHUNKS; ++c)
+                dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * dim + 16 * c), load_lanes(k, c), dots[j]);
+            }
           }
-          const __m512 scores =
-              _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum_each(dots));
+          __m512 sums = sum_each(dots);
+          if constexpr (BF16_DOTS) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+          const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sums);
           const float new_max = std::max(out.max[g], _mm512_reduce_max_ps(scores));
           const float correction = std::exp(out.max[g] - new_max);  // 0 on the first keys (max = -inf)
           out.max[g] = new_max;
@@ -299,15 +331,29 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
     return Partial{base, base + group, base + 2 * group};
   };
 
+  // The scores on bf16 dot products where the KV is bf16 and the CPU has them (attend_partition_avx512).
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Dots = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  constexpr bool kBf16Dots = false;
+#endif
+  at::Tensor q_hi, q_lo;
+  if (kBf16Dots) {
+    q_hi = query.to(at::kBFloat16).contiguous();
+    if (query.scalar_type() != at::kBFloat16) q_lo = (query.to(at::kFloat) - q_hi.to(at::kFloat)).to(at::kBFloat16).contiguous();
+  }
+  const c10::BFloat16* q_hi_data = q_hi.defined() ? q_hi.data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* q_lo_data = q_lo.defined() ? q_lo.data_ptr<c10::BFloat16>() : nullptr;
 #if defined(__AVX512F__)
-  const auto fast = head_dim == 32    ? attend_partition_avx512<scalar_t, 2>
-                    : head_dim == 64  ? attend_partition_avx512<scalar_t, 4>
-                    : head_dim == 128 ? attend_partition_avx512<scalar_t, 8>
-                    : head_dim == 256 ? attend_partition_avx512<scalar_t, 16>
+  const auto fast = head_dim == 32    ? attend_partition_avx512<scalar_t, 2, kBf16Dots>
+                    : head_dim == 64  ? attend_partition_avx512<scalar_t, 4, kBf16Dots>
+                    : head_dim == 128 ? attend_partition_avx512<scalar_t, 8, kBf16Dots>
+                    : head_dim == 256 ? attend_partition_avx512<scalar_t, 16, kBf16Dots>
                                       : nullptr;
 #else
-  constexpr void (*fast)(const float*, const scalar_t*, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, Partial*) = nullptr;
+  constexpr void (*fast)(const float*, const c10::BFloat16*, const c10::BFloat16*, float, const scalar_t*,
+                         const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, Partial*) = nullptr;
 #endif
   // Work units: (sequence, KV head, partition), or with the AVX-512 path (sequence, partition).
   const int64_t unit_heads = fast != nullptr ? 1 : kv_heads;
@@ -332,7 +378,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
       }
       if (fast != nullptr) {
         for (int64_t h = 0; h < kv_heads; ++h) parts[h] = partial(s, h, p);
-        fast(q_data + s * heads * head_dim, k_cache, v_cache, table, first, last, start, lens[s], block_size, kv_heads,
+        const int64_t q_offset = s * heads * head_dim;
+        fast(q_data + q_offset, q_hi_data ? q_hi_data + q_offset : nullptr, q_lo_data ? q_lo_data + q_offset : nullptr,
+             static_cast<float>(scale), k_cache, v_cache, table, first, last, start, lens[s], block_size, kv_heads,
              group, parts);
         continue;
       }
