@@ -25,7 +25,13 @@ def test_add_rms_norm_equals_add_then_rms_norm(ops, out_dtype, delta_dtype, rows
     got_residual, out = residual.clone(), torch.empty(rows, 576, dtype=out_dtype)
     ops.add_rms_norm(got_residual, delta, weight, out, 1e-5)
     assert torch.equal(got_residual, expected_residual)  # the add is exact, and in place
-    torch.testing.assert_close(out.float(), expected.to(out_dtype).float(), rtol=1e-5, atol=1e-5)
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        # Rounded to bf16: a float32 value that torch's reduction order puts on the other side of a
+        # rounding boundary may land one bf16 step away (an AMX Xeon: 1 of 21312), never further.
+        step = 2.0 ** (torch.frexp(expected)[1].float() - 8)
+        assert ((out.float() - expected.to(out_dtype).float()).abs() <= step).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
