@@ -42,7 +42,7 @@ def test_fused_decode_equals_the_python_layers_bit_for_bit(int4_ops, smollm_dir,
     llm = LLM(str(smollm_dir), dtype=dtype, quantization="int4", kv_cache_memory_gib=0.1, max_num_seqs=20)
     assert llm.engine.model_runner.model.decode_stack is not None
     prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "1, 2, 3,")]
-    limit = llm.engine.model_runner.model.fused_max_rows  # 16; 5 for bf16 where oneDNN has AMX
+    limit = llm.engine.model_runner.model.fused_max_rows  # 16; 4 for bf16 where oneDNN has AMX
     assert llm.engine.labels()["quantized_decode_rows"] == str(limit)
     for batch in (prompts[:1], prompts, prompts * 2, prompts * 6):  # 1, 3, 6 and 18 decodes
         fused, calls = _generate(llm, True, batch)

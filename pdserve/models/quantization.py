@@ -46,10 +46,8 @@ INT4_GROUP = 32
 MAX_QUANTIZED_ROWS = 16
 # Where oneDNN's bf16 GEMM runs on AMX tiles it streams a dense weight at the read bandwidth whatever
 # the rows (up to 16), 3.2x int4's bytes but no cost a row, while the int4 kernels pay for each row
-# on vector units: past this many decodes the dense GEMM is faster. SmolLM2's four projections x 30
-# layers, one thread, a 2-vCPU AMX Xeon: int4_linear vs the packed bf16 GEMM 11.1 / 15.0 ms at 4 rows,
-# 14.0 / 15.0 at 5, 16.1 / 14.4 at 6, 22.1 / 14.4 at 8 (docs/benchmarks.md engine_kernels: gate/up alone).
-MAX_INT4_ROWS_AMX = 5
+# on vector units: past this many decodes the dense GEMM is faster (docs/benchmarks.md engine_kernels).
+MAX_INT4_ROWS_AMX = 4
 # GGUF weight types `auto` serves as int4 / int8 (a float GGUF or HF checkpoint runs unquantized).
 _GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}
 _GGUF_INT8 = {"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
