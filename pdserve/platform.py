@@ -72,12 +72,6 @@ class CpuInfo:
         """bf16 GEMMs in bf16 arithmetic, not emulated."""
         return self.onednn_bf16 and any(f in self.flags for f in NATIVE_BF16_FEATURES)
 
-    @property
-    def amx_gemms(self) -> bool:
-        """oneDNN runs bf16 GEMMs on AMX tiles here (not capped below AMX by ONEDNN_MAX_CPU_ISA)."""
-        cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-        return self.native_bf16 and "amx_bf16" in self.flags and (cap == "ALL" or "AMX" in cap)
-
     def bf16_missing(self) -> str:
         """Why this CPU has no native bf16 GEMMs, naming the features it lacks."""
         if self.onednn_bf16:

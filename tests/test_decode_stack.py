@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.models.quantization import MAX_INT4_ROWS_AMX, MAX_QUANTIZED_ROWS, max_int4_rows, native_int4_kernel
-from pdserve.platform import CpuInfo
+from pdserve.models.quantization import native_int4_kernel
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +41,12 @@ def test_fused_decode_equals_the_python_layers_bit_for_bit(int4_ops, smollm_dir,
     llm = LLM(str(smollm_dir), dtype=dtype, quantization="int4", kv_cache_memory_gib=0.1, max_num_seqs=20)
     assert llm.engine.model_runner.model.decode_stack is not None
     prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "1, 2, 3,")]
-    limit = llm.engine.model_runner.model.fused_max_rows  # 16; 4 for bf16 where oneDNN has AMX
-    assert llm.engine.labels()["quantized_decode_rows"] == str(limit)
-    for batch in (prompts[:1], prompts, prompts * 2, prompts * 6):  # 1, 3, 6 and 18 decodes
+    for batch in (prompts[:1], prompts, prompts * 6):  # 1, 3 and 18 decodes (past the int4 kernel's 16 rows)
         fused, calls = _generate(llm, True, batch)
         python, _ = _generate(llm, False, batch)
         assert fused == python
-        if len(batch) <= limit:  # it ran every decode of the batch at once
+        if len(batch) <= 16:  # it ran every decode of the batch at once
             assert calls and max(calls) == len(batch)
-        else:  # past the int4 kernels' rows the Python layers run the dense weights
-            assert not calls or max(calls) <= limit
 
 
 def test_the_python_layers_run_where_the_stack_cannot(smollm_dir):
@@ -61,11 +56,3 @@ def test_the_python_layers_run_where_the_stack_cannot(smollm_dir):
         assert llm.engine.model_runner.model.decode_stack is None, kwargs
         out = llm.generate([llm.tokenizer.encode("Hello")], SamplingParams(temperature=0, max_tokens=3))
         assert len(out[0].token_ids) == 3
-
-
-def test_int4_hands_rows_to_the_amx_gemm_past_its_crossover(monkeypatch):
-    amx = CpuInfo("Intel Xeon", "AVX512", frozenset({"amx_bf16", "avx512_bf16", "avx512bw"}), onednn_bf16=True)
-    no_amx = CpuInfo("AMD EPYC", "AVX512", frozenset({"avx512_bf16", "avx512bw"}), onednn_bf16=True)
-    assert max_int4_rows(amx) == MAX_INT4_ROWS_AMX < MAX_QUANTIZED_ROWS == max_int4_rows(no_amx)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # oneDNN capped below AMX
-    assert max_int4_rows(amx) == MAX_QUANTIZED_ROWS

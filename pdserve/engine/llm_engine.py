@@ -274,9 +274,7 @@ class LLMEngine:
         whether decode steps run fused (models/decode_stack.py)."""
         fused = self.model_runner.model.decode_stack is not None
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
-                "decode_step": "fused" if fused else "python",
-                "quantized_decode_rows": str(self.model_runner.model.quantized_decode_rows()),
-                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower()}
 

@@ -41,10 +41,7 @@ class CausalLM(Protocol):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None: ...
     def quantize(self, method: str, int4_kernel: Callable | None = None) -> dict[str, int]:
         """Quantize for decode (int4 | int8; int4 for pdserve's `int4_kernel` where given); bytes by format."""
-    def pack_for_cpu(self, int4_rows: int) -> None:
-        """Pre-pack bf16 projections for oneDNN; int4 ones take their kernel up to `int4_rows` decodes."""
-    def quantized_decode_rows(self) -> int:
-        """Decodes a step up to which the quantized projections run their kernels (0: none quantized)."""
+    def pack_for_cpu(self) -> None: ...
     def reset_buffers(self, device: torch.device | str) -> None:
         """Fill the non-persistent buffers (RoPE tables) once the model is on its device."""
 

@@ -22,7 +22,7 @@ from pdserve.models.contract import LayerHook
 from pdserve.models.decode_stack import build_decode_stack, runs_fused
 from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding, Rotation
 from pdserve.models.parallel import TensorParallel
-from pdserve.models.quantization import INT8_GROUP, MAX_QUANTIZED_ROWS, Int4Weight, NativeInt4Weight, can_quantize
+from pdserve.models.quantization import INT8_GROUP, can_quantize
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ class DecoderLM(nn.Module):
     compute_dtype: torch.dtype = torch.float32
     # The fused decode step (models/decode_stack.py), where pdserve's kernels can run these layers.
     decode_stack: Any = None
-    fused_max_rows = 0  # decodes a step up to which the DecodeStack runs it (its int4 projections' limit)
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layers: Iterable[nn.Module],
                  rope: RotaryEmbedding) -> None:
@@ -60,7 +59,7 @@ class DecoderLM(nn.Module):
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
         residual = self.embed(input_ids)
-        if self.decode_stack is not None and after_layer is None and runs_fused(meta, self.fused_max_rows):
+        if self.decode_stack is not None and after_layer is None and runs_fused(meta):
             group = meta.decode_groups[0]
             delta = self.decode_stack.forward(residual, positions, self.rope.cos, self.rope.sin, kv_caches,
                                               meta.slot_mapping, group.block_tables, group.context_lens,
@@ -138,7 +137,6 @@ class DecoderLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, OutputHead)):
                 module.native = ops
         self.decode_stack = build_decode_stack(self, ops, one_rope=type(self).rotations is DecoderLM.rotations)
-        self.fused_max_rows = self.quantized_decode_rows()
 
     def quantize(self, method: str, int4_kernel: Callable | None = None) -> dict[str, int]:
         """Quantize the projections to `method` (int4 | int8; int4 laid out for `int4_kernel`, pdserve's,
@@ -161,19 +159,11 @@ class DecoderLM(nn.Module):
             nbytes[kind] = nbytes.get(kind, 0) + module.quantized.nbytes
         return nbytes
 
-    def quantized_decode_rows(self) -> int:
-        """Decodes a step up to which every quantized projection of the layers runs its kernel (0: none quantized)."""
-        return min((m.max_quantized_rows for m in self.layers.modules() if isinstance(m, Linear)
-                    and m.quantized is not None), default=0)
-
-    def pack_for_cpu(self, int4_rows: int = MAX_QUANTIZED_ROWS) -> None:
-        """Pre-pack every bf16 projection for oneDNN (where pdserve.platform chose the onednn path);
-        int4 projections then take their kernel up to `int4_rows` decodes (max_int4_rows), the pack beyond."""
+    def pack_for_cpu(self) -> None:
+        """Pre-pack every bf16 projection for oneDNN (where pdserve.platform chose the onednn path)."""
         for module in self.modules():
             if isinstance(module, Linear) and module.weight.is_cpu and module.weight.dtype == torch.bfloat16:
                 module.pack_for_cpu()
-                if isinstance(module.quantized, (Int4Weight, NativeInt4Weight)):
-                    module.max_quantized_rows = int4_rows
 
     def own_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF weights under this model's names: "model." dropped, no rotary tables, no lm_head when

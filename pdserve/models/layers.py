@@ -54,7 +54,6 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     batch_invariant = False  # models/batch_invariant.py
-    max_quantized_rows = MAX_QUANTIZED_ROWS  # decodes a step up to which the quantized kernel runs
 
     def quantize(self, method: str, int4_kernel: Callable | None = None) -> None:
         """Decode on `method` codes (int4 laid out for `int4_kernel`, pdserve's, where given); the
@@ -72,7 +71,7 @@ class Linear(nn.Linear):
         depend on what else is in the batch: a decode node and a colocated one compute it alike.
         Batch-invariant: decode rows take the kernel at any count, and GEMMs run in fixed blocks."""
         dense = self._dense_in_blocks if self.batch_invariant else self._dense
-        few = decode_rows <= self.max_quantized_rows or self.batch_invariant
+        few = decode_rows <= MAX_QUANTIZED_ROWS or self.batch_invariant
         if self.quantized is None or decode_rows == 0 or not few:
             return dense(x)
         # The quantized kernels compute each row alone (tests/test_batch_invariant.py checks it on

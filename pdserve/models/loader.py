@@ -12,9 +12,7 @@ from safetensors import safe_open
 from pdserve.config import ModelConfig
 from pdserve.models.kv_spec import KVCacheSpec
 from pdserve.models.parallel import SINGLE, TensorParallel
-from pdserve.models.quantization import max_int4_rows
 from pdserve.models.registry import model_class, read_model_config
-from pdserve.platform import CpuInfo
 
 logger = logging.getLogger(__name__)
 
@@ -57,5 +55,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
         model.set_compute_dtype(dtype)  # the dense (dequantized) weights, for prefill
     model.reset_buffers(device)
     if prepack:
-        model.pack_for_cpu(int4_rows=max_int4_rows(CpuInfo.detect()))
+        model.pack_for_cpu()
     return model.eval()

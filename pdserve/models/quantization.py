@@ -10,8 +10,7 @@ takes bfloat16 activations (torch's float32 path is a scalar one ~10x slower), s
 cast to bf16 (and torch's kernels' output back).
 
 Only decode rows take the quantized kernels, and only while a step has at most MAX_QUANTIZED_ROWS of
-them (MAX_INT4_ROWS_AMX for int4 where the dense bf16 GEMM runs on AMX): beyond, and for prefill, a
-dense GEMM is faster. So each layer also keeps its
+them: beyond, and for prefill, a dense GEMM is compute-bound and faster. So each layer also keeps its
 dense weight, the file's own (the GGUF's dequantization, fp16 scales included: exact in float32,
 rounded once in bf16): prefill, scoring and prompt logprobs compute the file's model, and only the
 decode kernels approximate it. Choosing by row kind, not by batch size, keeps a token's path
@@ -38,16 +37,11 @@ from typing import Callable
 import torch
 
 from pdserve.config import QUANTIZATIONS
-from pdserve.platform import CpuInfo
 
 INT4_GROUP = 32
 # Decodes per step up to which a layer runs its quantized kernel; above, the dense GEMM is faster
 # (SmolLM2 decode, batch 16 / 24: int4 223 / 235 tok/s, float32 205 / 275, on AVX-512 and AVX2 alike).
 MAX_QUANTIZED_ROWS = 16
-# Where oneDNN's bf16 GEMM runs on AMX tiles it streams a dense weight at the read bandwidth whatever
-# the rows (up to 16), 3.2x int4's bytes but no cost a row, while the int4 kernels pay for each row
-# on vector units: past this many decodes the dense GEMM is faster (docs/benchmarks.md engine_kernels).
-MAX_INT4_ROWS_AMX = 4
 # GGUF weight types `auto` serves as int4 / int8 (a float GGUF or HF checkpoint runs unquantized).
 _GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K"}
 _GGUF_INT8 = {"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
@@ -134,11 +128,6 @@ INT8_GROUP = 32
 
 
 NATIVE_INT4_PANEL = 64  # int4_linear: output rows per panel
-
-
-def max_int4_rows(cpu: CpuInfo) -> int:
-    """Decodes per step up to which int4 projections with a oneDNN-packed bf16 weight take the int4 kernel."""
-    return MAX_INT4_ROWS_AMX if cpu.amx_gemms else MAX_QUANTIZED_ROWS
 
 
 def native_int4_kernel(ops: ModuleType | None) -> Callable | None:
