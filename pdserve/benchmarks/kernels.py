@@ -13,14 +13,12 @@ Each figure is the median of `repeats` timed calls after one warm-up, in millise
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.benchmarks.timing import median_ms
 from pdserve.models.quantization import INT8_GROUP, native_int4_kernel, quantize_int4, quantize_int8_groups
 
 LAYERS = 30
@@ -29,16 +27,6 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 INT4_ROWS = (1, 8, 16)
 ATTENTION_CASES = ((1, 2048), (8, 2048), (8, 128))
 HEAD_ROWS = (1, 8)
-
-
-def median_ms(call: Callable[[], object], repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def int4_projection(ops: ModuleType, repeats: int) -> dict:

@@ -1,7 +1,8 @@
-"""Best-of timings of the engine, for the benchmarks that compare one engine's paths in one run."""
+"""Best-of and median timings of the engine and its kernels, for the benchmarks that compare paths in one run."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -9,15 +10,24 @@ from pdserve import LLM, SamplingParams
 from pdserve.workload import random_prompts
 
 
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` calls (after one warm-up), in ms."""
+def timed_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    """`repeats` calls' times (after one warm-up), in ms."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` calls (after one warm-up), in ms."""
+    return min(timed_ms(fn, repeats))
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(timed_ms(fn, repeats))
 
 
 def decode_step_ms(llm: LLM, batch: int, repeats: int, prompt_len: int = 32) -> float:
