@@ -143,6 +143,27 @@ def engine_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int
     return steps, preempted
 
 
+def test_the_engines_scheduler_stamps_its_requests_with_the_clock_it_is_given():
+    """A virtual clock (the step number): each request's first scheduling, first token and token
+    times are the steps they happened at, as engine_token_steps counts them (issue 36's first piece:
+    the simulator drives this scheduler on modelled time)."""
+    step = 0
+    scheduler = Scheduler(BlockManager(64, 4), 8, 16, True, clock=lambda: float(step))
+    reqs = [make_request(list(range(prompt)), str(i), output) for i, (prompt, output) in enumerate([(10, 3), (20, 2)])]
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.has_unfinished():
+        step += 1
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+    a, b = (r.metrics for r in reqs)
+    # A (10 tokens) and 6 of B's 20 fit step 1's 16-token budget; B's prompt ends at step 2 (A decodes
+    # beside it), so both sample at 1 / 2 and on.
+    assert (a.first_scheduled_time, b.first_scheduled_time) == (1.0, 1.0)
+    assert a.token_times == [1.0, 2.0, 3.0] and b.token_times == [2.0, 3.0]
+    assert a.first_token_time == 1.0 and b.first_token_time == 2.0
+
+
 def simulated_token_steps(requests: list[tuple[int, int]], blocks: int, budget: int, chunked: bool,
                           max_seqs: int, prefix_caching: bool = False) -> tuple[list[list[int]], int]:
     """The same on a SimNode whose every step costs 1 s, so a token's time is its step."""

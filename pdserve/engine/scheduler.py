@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,7 +61,11 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None,
         kv_stats: KVStats | None = None,
         load_failure_policy: str = "recompute",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        # The time its requests' metrics are stamped with: the wall clock in the engine, a virtual
+        # one where a simulator drives this scheduler with modelled step costs (issue 36).
+        self.clock = clock
         self.block_manager = block_manager
         self.connector = connector
         self.kv_stats = kv_stats
@@ -114,7 +118,7 @@ class Scheduler:
                 i += 1
         if not out.preempted:  # admitting new work while evicting old would just thrash
             self._admit_waiting(out, budget)
-        now = time.perf_counter()
+        now = self.clock()
         for s in out.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
@@ -149,7 +153,7 @@ class Scheduler:
         if not self.block_manager.allocate(req, external, prefix, loaded=True):
             return False
         req.metrics.num_cached_tokens = (len(prefix[0]) if prefix else 0) * self.block_manager.block_size
-        req.metrics.first_scheduled_time = time.perf_counter()
+        req.metrics.first_scheduled_time = self.clock()
         self.connector.update_state_after_alloc(req, external)
         req.kv_external_tokens = external
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -171,7 +175,7 @@ class Scheduler:
                 self.block_manager.free(req)
             if expired and self.kv_stats is not None:
                 self.kv_stats.add_hold_expired()
-        now = time.perf_counter()
+        now = self.clock()
         for result in finished.received:
             req = self.loading.pop(result.request_id, None)
             if req is None:
@@ -205,7 +209,7 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         """Advance the scheduled requests by what the model computed; finish the ones that stop."""
-        now = time.perf_counter()
+        now = self.clock()
         outputs = []
         for s in out.scheduled:
             req = s.request
