@@ -255,7 +255,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench_serving import publish_run
     from pdserve.plan.profile import Profile
-    from pdserve.plan.simulator import Setup, simulate
+    from pdserve.plan.sim import Setup, simulate
     from pdserve.workload import workload_from_args
 
     setup = Setup.parse(args.setup)

@@ -11,7 +11,7 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.plan.planner import Family, Planner
-from pdserve.plan.simulator import Setup, simulate
+from pdserve.plan.sim import Setup, simulate
 from pdserve.workload import mixed_dataset
 
 SLOS = {"ttft_ms": 3000.0, "tpot_ms": 60.0}

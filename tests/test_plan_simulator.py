@@ -16,7 +16,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulator import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
+from pdserve.plan.sim import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
 from pdserve.workload import BenchRequest
 
 KV_BYTES = 1000  # per token

@@ -12,7 +12,7 @@ node (the study's rate x N / 2):
   threshold  auto:(N/2)P(N/2)D, Dynamo's threshold rule
   scorers    auto:(N/2)P(N/2)D, llm-d's scorers
 The auto setups run the proxy's own Placer (pdserve/proxy/placement.py) on the simulation's clock;
-every node models the prefix cache (plan/simulator.py). Workloads: `mixed`, `multiturn` (the
+every node models the prefix cache (plan/sim/). Workloads: `mixed`, `multiturn` (the
 study's: 4 turns, 512-token system prompt, 64-token turns and answers, 1 s think time) and
 `multiturn-long` (8 turns, 1024-token system prompt, 128-token turns, at half the rates): histories
 that grow longer.
@@ -32,7 +32,7 @@ from pdserve.benchmarks.placement import goodput_over_best_static, median_ttft_o
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import rate_workload
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulator import Setup, simulate
+from pdserve.plan.sim import Setup, simulate
 from pdserve.workload import BenchRequest, multiturn_dataset
 
 SETUPS = {  # key: (label, setup at N nodes, placement rule, chunked prefill)

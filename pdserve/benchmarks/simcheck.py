@@ -42,7 +42,7 @@ from pdserve.benchmarks.study import (
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
-from pdserve.plan.simulator import Setup, simulate
+from pdserve.plan.sim import Setup, simulate
 from pdserve.platform import plan_kernels
 
 RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")

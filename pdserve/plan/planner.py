@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulator import Setup, simulate
+from pdserve.plan.sim import Setup, simulate
 from pdserve.workload import BenchRequest
 
 RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 3), (1, 4), (1, 6))

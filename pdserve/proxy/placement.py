@@ -205,7 +205,7 @@ class Placer:
         self.costs, self.index, self.transport = costs, index, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
         self.slos = slos or {}  # ttft_ms / tpot_ms: the cost rule first counts who would miss them
-        self.clock = clock  # the simulator runs this Placer on its own clock (plan/simulator.py)
+        self.clock = clock  # the simulator runs this Placer on its own clock (plan/sim/)
         self.rule = PLACEMENT_RULES.get(rule)(self)
 
     def options(self, view: PromptView, prefillers: list[Node], decoders: list[Node]) -> list[Placement]:

@@ -1,0 +1,57 @@
+"""The simulation's clock and event queue, and the profile's costs as plain numbers."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.plan.profile import Profile
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The profile's prefill-chunk and decode-step fits as plain numbers: the simulator's hot path
+    (Profile.prefill_chunk_time and decode_step_time, without the feature dicts)."""
+
+    chunk_fixed: float
+    chunk_token: float
+    chunk_pair: float  # per attention pair: tokens * (context_before + tokens / 2)
+    step_fixed: float
+    step_seq: float
+    step_kv: float
+    step_serving: float  # what the server adds to every step (profile.serving)
+    request_hop: float  # what one HTTP hop adds before a node starts a request
+    stream_delay: float  # how much later than the engine the client sees a streamed token
+
+    @classmethod
+    def of(cls, profile: Profile) -> Costs:
+        p = dict(zip(profile.prefill_chunk.features, profile.prefill_chunk.coefficients))
+        d = dict(zip(profile.decode_step.features, profile.decode_step.coefficients))
+        return cls(p["one"], p["tokens"], p["attention_pairs"], d["one"], d["seqs"], d["kv_tokens"],
+                   profile.serving["step_s"], profile.serving["request_s"], profile.serving["stream_s"])
+
+    def chunk(self, tokens: int, context_before: int) -> float:
+        return self.chunk_fixed + tokens * (self.chunk_token + self.chunk_pair * (context_before + tokens / 2))
+
+    def step(self, seqs: int, kv_tokens: int) -> float:
+        """A decode step, with what serving adds to each step."""
+        return self.step_fixed + self.step_serving + self.step_seq * seqs + self.step_kv * kv_tokens
+
+
+class Simulation:
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.costs = Costs.of(profile)
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time, next(self._order), action))
+
+    def run(self) -> None:
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()

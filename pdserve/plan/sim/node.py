@@ -1,0 +1,310 @@
+"""A simulated node: a request's work on it (Job), its scheduler and step loop (SimNode), and a run
+of steady decode steps taken as one event (DecodeRun)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdserve.plan.sim.cache import PrefixCache
+from pdserve.plan.sim.events import Simulation
+from pdserve.plan.sim.setup import Batching
+from pdserve.plan.sim.tracker import Tracker
+
+
+@dataclass
+class Job:
+    """A request's work on one node, counted as the engine's Request counts it: `prompt_tokens`, of
+    which `context` arrive computed (KV from P), then `output_tokens` tokens, the first sampled by
+    the step that computes the last prompt token. A preempted job computes all it has again."""
+
+    request_id: int
+    prompt_tokens: int
+    context: int
+    output_tokens: int
+    tokens: Tracker | None  # where the tokens go (None: a prefill node's token, which the client never sees)
+    on_done: Callable[[float], None]
+    hold: bool = False  # P: keep the KV blocks after the last token until the proxy releases them
+    computed: int = 0
+    generated: int = 0
+    blocks: int = 0
+    hashes: list[int] | None = None  # prefix caching: its full blocks' hashes (prompt, then output tokens)
+    keys: list[int] = field(default_factory=list)  # prefix caching: its blocks (PrefixCache's keys)
+    published: int = 0  # prefix caching: its leading blocks filed in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+
+@dataclass
+class DecodeRun:
+    """`steps` decode steps of a constant batch, taken as one event: step j (from 0) lasts
+    first_step + growth * j, since each step adds a token to every sequence of the batch."""
+
+    start: float
+    first_step: float
+    growth: float
+    steps: int
+    jobs: list[Job]
+
+    def elapsed(self, steps: int) -> float:
+        return steps * self.first_step + self.growth * steps * (steps - 1) / 2
+
+    def steps_done_by(self, time: float) -> int:
+        """Steps finished between start and `time`."""
+        t, a, g = time - self.start, self.first_step, self.growth
+        if a <= 0 and g <= 0:
+            return self.steps
+        k = int(t / a) if g <= 0 else int((-(a - g / 2) + math.sqrt((a - g / 2) ** 2 + 2 * g * t)) / g)
+        k = max(0, min(k, self.steps))
+        while k > 0 and self.elapsed(k) > t:  # floating point at the edges
+            k -= 1
+        while k < self.steps and self.elapsed(k + 1) <= t:
+            k += 1
+        return k
+
+
+@dataclass
+class SimNode:
+    """One node's scheduler and clock: pdserve's Scheduler (running requests first, in the order
+    they were admitted, then waiting ones within the token budget; KV blocks allocated as tokens are
+    computed; when a running request cannot get a block, the newest running request is preempted
+    and recomputed later) and its step loop, in costs."""
+
+    sim: Simulation
+    name: str
+    batching: Batching
+    waiting: deque[Job] = field(default_factory=deque)
+    running: list[Job] = field(default_factory=list)
+    busy: bool = False
+    outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
+    run: DecodeRun | None = None
+    run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
+    prefix_caching: bool = False
+    free_blocks: int = field(init=False)
+    cache: PrefixCache | None = field(init=False)
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.free_blocks = self.batching.num_blocks
+        self.cache = PrefixCache(self.batching.num_blocks) if self.prefix_caching else None
+
+    def cached_prefix(self, job: Job) -> list[int]:
+        """The hashes of job's leading blocks this node's cache holds now."""
+        if self.cache is None or not job.hashes:
+            return []
+        return self.cache.match(job.hashes, (job.num_tokens - 1) // self.batching.block_size)
+
+    def submit(self, job: Job) -> None:
+        if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
+            return  # larger than the whole pool: the engine refuses it (max_model_len <= the pool)
+        self.waiting.append(job)
+        self.outstanding += 1
+        if self.run is not None:
+            self._cut_run()
+        self._maybe_step()
+
+    def release(self, job: Job) -> None:
+        """The proxy's word that a held job's KV has left (pulled by D, or pushed)."""
+        self._free(job)
+        self._maybe_step()
+
+    def _allocate(self, job: Job, tokens: int, prefix: list[int] = ()) -> bool:
+        """Blocks for `tokens` computed tokens of job, the cached `prefix` blocks first (BlockManager.allocate)."""
+        if not prefix:  # the hot path
+            needed = self.batching.blocks_for(tokens) - job.blocks
+            if needed > self.free_blocks:
+                return False
+        else:
+            needed = self.batching.blocks_for(tokens) - job.blocks - len(prefix)
+            reusable = self.cache.reusable(prefix)
+            if needed > self.free_blocks - reusable:
+                return False
+            self.cache.take(prefix)
+            job.keys.extend(prefix)
+            job.blocks += len(prefix)
+            job.published = len(prefix)
+            self.free_blocks -= reusable
+        if needed > 0:
+            job.blocks += needed
+            self.free_blocks -= needed
+            if self.cache is not None:
+                job.keys.extend(self.cache.hand_out(needed))
+        return True
+
+    def _free(self, job: Job) -> None:
+        if self.cache is not None:
+            self.free_blocks += self.cache.give_back(job.keys)
+            job.keys, job.published = [], 0
+        else:
+            self.free_blocks += job.blocks
+        job.blocks = 0
+
+    def _publish(self, job: Job) -> None:
+        if job.hashes:
+            full = min(job.computed // self.batching.block_size, len(job.hashes))
+            if full > job.published:
+                self.cache.publish(job.keys, job.hashes, job.published, full)
+                job.published = full
+
+    def _preempt(self, job: Job) -> None:
+        """Scheduler._preempt: free its blocks; its prompt and output so far are prefilled again."""
+        self._free(job)
+        job.computed = job.context = 0
+        self.waiting.appendleft(job)
+        self.preemptions += 1
+
+    def _cut_run(self) -> None:
+        """New work arrived during a decode run: end the run with the step now in progress, so the
+        scheduler sees the new job at the next step boundary, as the engine's loop would."""
+        run = self.run
+        steps = min(run.steps_done_by(self.sim.now) + 1, run.steps)
+        if steps < run.steps:
+            run.steps = steps
+            self.run_token += 1
+            token = self.run_token
+            self.sim.at(run.start + run.elapsed(steps), lambda: self._finish_run(token))
+
+    def _schedule(self) -> tuple[list[Job], list[tuple[Job, int]], bool]:
+        """One step (Scheduler.schedule): its decodes, its prefill chunks (job, new tokens), and
+        whether it preempted."""
+        limits = self.batching
+        budget, size = limits.budget, limits.block_size
+        decodes: list[Job] = []
+        chunks: list[tuple[Job, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            job = self.running[i]
+            remaining = job.prompt_tokens + job.generated - job.computed
+            n = min(remaining, budget)
+            # (the first test skips the call while the job's last block has room: the hot path)
+            while job.computed + n > job.blocks * size and not self._allocate(job, job.computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is job:
+                    break
+            else:
+                if remaining == 1 and job.generated:  # one token after an output token: model_runner.is_decode
+                    decodes.append(job)
+                else:
+                    chunks.append((job, n))
+                budget -= n
+                i += 1
+        if preempted:  # admitting new work while evicting old would just thrash
+            return decodes, chunks, True
+        while self.waiting and budget > 0 and len(self.running) < limits.max_seqs:
+            job = self.waiting[0]
+            prefix = self.cached_prefix(job)
+            start = max(job.context, len(prefix) * size)  # tokens it has: sent by P, or cached here
+            remaining = job.num_tokens - start
+            if not limits.chunked and remaining > budget:
+                break  # the whole prompt in one step, or wait for the next
+            n = min(remaining, budget)
+            if not self._allocate(job, start + n, prefix):
+                break  # the head of the queue waits for blocks
+            self.waiting.popleft()
+            job.computed = start
+            self.running.append(job)
+            chunks.append((job, n))
+            budget -= n
+        return decodes, chunks, False
+
+    def _maybe_step(self) -> None:
+        if self.busy or not (self.waiting or self.running):
+            return
+        decodes, chunks, preempted = self._schedule()
+        while not (decodes or chunks) and preempted:  # the engine's next loop turn admits what was freed
+            decodes, chunks, preempted = self._schedule()
+        if not (decodes or chunks):
+            return  # the head of the queue waits for KV to be freed
+        costs = self.sim.costs
+        self.busy = True
+        kv_tokens = sum(job.prompt_tokens + job.generated for job in decodes)  # the token fed this step included
+        if chunks or preempted or len(decodes) < len(self.running):  # one step; the next may differ
+            seconds = sum(costs.chunk(n, job.computed) for job, n in chunks)
+            seconds += costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
+            self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(decodes, chunks))
+            return
+        # Every running job decodes and the waiting head could not be admitted (nor can it be in
+        # the steps that follow: they only take blocks), so the batch stays the same until one of
+        # them finishes, blocks run out, or new work arrives (submit cuts the run short): its steps
+        # are one event.
+        first = max(costs.step(len(decodes), kv_tokens), 0.0)
+        growth = max(costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
+        steps = self._steps_blocks_allow(decodes, min(j.output_tokens - j.generated for j in decodes))
+        self.run = DecodeRun(self.sim.now, first, growth, steps, decodes)
+        self.run_token += 1
+        token = self.run_token
+        self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
+
+    def _steps_blocks_allow(self, decodes: list[Job], steps: int) -> int:
+        """The most of `steps` decode steps (the first one's blocks already held) the free blocks cover."""
+        size = self.batching.block_size
+
+        def needed(s: int) -> int:
+            return sum(max(-(-(j.computed + s) // size) - j.blocks, 0) for j in decodes)
+
+        if needed(steps) <= self.free_blocks:  # the common case: blocks to spare
+            return steps
+        lo, hi = 1, steps - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if needed(mid) <= self.free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
+        now = self.sim.now
+        emitting = list(decodes)
+        caching = self.cache is not None
+        for job in decodes:
+            job.computed += 1
+            job.generated += 1
+            if caching:
+                self._publish(job)
+        for job, n in chunks:
+            job.computed += n
+            if caching:
+                self._publish(job)
+            if job.computed == job.prompt_tokens + job.generated:  # the prompt is done: its next token
+                job.generated += 1
+                emitting.append(job)
+        for job in emitting:
+            if job.tokens is not None:
+                job.tokens.token(now)
+        self._retire(emitting, now)
+
+    def _finish_run(self, token: int) -> None:
+        if token != self.run_token:
+            return  # this run was cut short; its new end is scheduled
+        run, self.run = self.run, None
+        size = self.batching.block_size
+        for job in run.jobs:
+            job.computed += run.steps
+            job.generated += run.steps
+            if job.computed > job.blocks * size:  # the blocks its steps took, counted at the end
+                self._allocate(job, job.computed)
+            if self.cache is not None:
+                self._publish(job)
+            if job.tokens is not None:
+                job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
+        self._retire(run.jobs, self.sim.now)
+
+    def _retire(self, jobs: list[Job], now: float) -> None:
+        for job in jobs:
+            if job.generated == job.output_tokens:
+                self.running.remove(job)
+                self.outstanding -= 1
+                if not job.hold:
+                    self._free(job)
+                job.on_done(now)
+        self.busy = False
+        self._maybe_step()

@@ -1,0 +1,43 @@
+"""One request's client-side timings in a simulation, as `pdserve bench` records them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.workload import BenchRequest, RequestResult
+
+
+@dataclass
+class Tracker:
+    """One request's client-side timings, as `pdserve bench` records them. Inter-token gaps are
+    kept as runs (first gap, growth per step, count) and listed only when a result asks for them."""
+
+    request: BenchRequest
+    arrival: float
+    gaps: list[tuple[float, float, int]] | None = field(default_factory=list)  # None: not kept
+    first: float | None = None
+    last: float = 0.0
+    count: int = 0
+
+    def token(self, time: float) -> None:
+        if self.first is None:
+            self.first = time
+        elif self.gaps is not None:
+            self.gaps.append((time - self.last, 0.0, 1))
+        self.last, self.count = time, self.count + 1
+
+    def steps(self, end: float, first_step: float, growth: float, count: int) -> None:
+        """`count` tokens from back-to-back decode steps ending at `end` (the first token came before)."""
+        if self.gaps is not None:
+            self.gaps.append((first_step, growth, count))
+        self.last, self.count = end, self.count + count
+
+    def result(self, itls: bool = True, delay: float = 0.0) -> RequestResult:
+        """`delay`: what streaming adds between the node and the client, to every token."""
+        if self.first is None:  # never admitted: its prompt and output do not fit a node's KV pool
+            return RequestResult(ok=False, input_len=self.request.input_len, start=self.arrival,
+                                 error="does not fit the KV pool of any node")
+        gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls and self.gaps else []
+        return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
+                             output_len=self.count, ttft_ms=(self.first + delay - self.arrival) * 1e3,
+                             e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
