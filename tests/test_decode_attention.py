@@ -138,6 +138,17 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_removed(tmp_path):
     assert not stale.exists() and fresh.exists()
 
 
+def test_two_checkouts_build_their_kernels_apart(monkeypatch, tmp_path):
+    """The same sources at another path (a CI clone beside a work tree) get a build directory of
+    their own: torch rebuilds one whose recorded source paths differ, so sharing it rebuilt mid-run."""
+    from pdserve.models import native
+
+    here = native.build_dir()
+    assert native.build_dir() == here  # stable
+    monkeypatch.setattr(native, "CSRC", tmp_path / "csrc")
+    assert native.build_dir() != here and native.build_dir().parent == here.parent
+
+
 @pytest.mark.parametrize("window", [8, 40, 300])
 @pytest.mark.parametrize("cached", [0, 37, 200], ids=["fresh", "cached37", "cached200"])
 def test_a_sliding_prefill_in_tiles_equals_one_masked_attention(window, cached, monkeypatch):

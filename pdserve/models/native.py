@@ -40,7 +40,10 @@ def build_dir() -> Path:
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     cpu = CpuInfo.detect()  # -march=native: another CPU needs its own build
-    for part in (torch.__version__, sys.version, " ".join(CFLAGS), cpu.model, " ".join(sorted(cpu.flags))):
+    # Where the sources and torch's headers lie too: torch rebuilds a build directory whose recorded
+    # paths differ, so two checkouts (or venvs) sharing one would rebuild it in turn, mid-run.
+    for part in (torch.__version__, sys.version, sys.prefix, str(CSRC), " ".join(CFLAGS), cpu.model,
+                 " ".join(sorted(cpu.flags))):
         digest.update(part.encode())
     return cache_root() / "kernels" / digest.hexdigest()[:16]
 
