@@ -4,10 +4,12 @@ Each `Host` is a network namespace with one address from a /24 of 198.18.0.0/15 
 range, RFC 2544) on a veth pair whose other end sits on a bridge in this (the root) namespace, which
 holds the subnet's .254. This process reaches every host, the hosts reach each other, and nothing is
 routed anywhere else: the namespaces have no default route and nothing forwards. The /24 is one no
-address or route of this machine touches (another run's bridge, a network that uses the range), and
-once made, this namespace's route to every host is checked to go through the bridge: a host's
-address that led off the machine would send the tests' traffic there. Everything made is deleted on
-exit, and every process left in a namespace killed first.
+address or route of this machine touches (another run's bridge, a network that uses the range); a
+policy rule looks it up in the main table ahead of the machine's own rules; and once made, this
+namespace's route to every host is checked to go through the bridge (a host's address that led off
+the machine would send the tests' traffic there) and each host to answer a TCP connection (a
+firewall fails at once, by name). Everything made is deleted on exit, and every process left in a
+namespace killed first.
 
 Needs root (CAP_NET_ADMIN) and iproute2's `ip`; `why_not()` says what is missing where they are not.
 
