@@ -24,7 +24,7 @@ def blackhole(network: str):
         subprocess.run(["ip", "route", "del", "blackhole", network], check=True)
 
 
-def leftovers(tag: str, subnet: IPv4Network | None = None) -> list[str]:
+def leftovers(tag: str, subnet: IPv4Network) -> list[str]:
     """What a set of hosts tagged `tag` (on `subnet`) left: namespaces, links, its policy rule."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout

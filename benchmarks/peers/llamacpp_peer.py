@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_offline import child_pdserve, run_cases  # noqa: E402 (this folder's scripts share their timing)
+from vllm_offline import child_pdserve, make_cases, run_cases  # noqa: E402 (this folder's scripts share their timing)
 
 CASES = [(1, 32, 128), (1, 512, 128), (1, 2048, 64)]  # requests x prompt tokens -> output tokens
 SYSTEMS = ("llama.cpp", "pdserve defaults")
@@ -58,14 +58,6 @@ def child_llama(gguf: str, cases: list[dict]) -> dict:
 
     return {"engine": {"system": "llama.cpp", "version": llama_cpp.__version__, "weights": "Q4_1 (the file's)",
                        "threads": 1}, "cases": run_cases(generate, cases)}
-
-
-def make_cases() -> list[dict]:
-    import random
-
-    rng = random.Random(0)
-    return [{"name": f"{n} x {inp} -> {outp}", "output_len": outp,
-             "prompts": [[rng.randrange(1000, 40000) for _ in range(inp)] for _ in range(n)]} for n, inp, outp in CASES]
 
 
 def run_child(system: str, python: str, source: str, cases_file: str, core: int) -> dict:
@@ -137,7 +129,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     with tempfile.TemporaryDirectory() as tmp:
         cases_file = Path(tmp) / "cases.json"
-        cases_file.write_text(json.dumps(make_cases()))
+        cases_file.write_text(json.dumps(make_cases(CASES)))
         for _ in range(args.rounds):  # alternating, so a drift of the host's speed falls on both
             for system in SYSTEMS:
                 rounds[system].append(run_child(system, *sources[system], str(cases_file), args.core))

@@ -81,13 +81,15 @@ def child_vllm(model_dir: str, dtype: str, cases: list[dict]) -> dict:
     return {"engine": {"system": "vllm", "version": vllm.__version__, "dtype": dtype}, "cases": run_cases(generate, cases)}
 
 
-def make_cases(vocab_low: int = 1000, vocab_high: int = 40000) -> list[dict]:
+def make_cases(shapes: list[tuple[int, int, int]] = CASES, vocab_low: int = 1000,
+               vocab_high: int = 40000) -> list[dict]:
+    """Seeded token prompts for (requests, prompt tokens, output tokens) shapes."""
     import random
 
     rng = random.Random(0)
     return [{"name": f"{n} x {inp} -> {outp}", "output_len": outp,
              "prompts": [[rng.randrange(vocab_low, vocab_high) for _ in range(inp)] for _ in range(n)]}
-            for n, inp, outp in CASES]
+            for n, inp, outp in shapes]
 
 
 def run_child(python: str, column: str, model_dir: str, cases_file: str, core: int) -> dict:

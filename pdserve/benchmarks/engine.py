@@ -390,10 +390,13 @@ def run_kernels(args: argparse.Namespace) -> None:
     flags = sorted(f for f in cpu.flags if f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"))
     results = {"meta": {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "flags": flags, "threads": args.threads,
                         "torch": torch.__version__},
-               "read_bandwidth_gbs": read_bandwidth_gbs(), **kernels.run(ops, repeats=5 if args.quick else 20)}
-    lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels` ({results['meta']['date']}; {cpu.model}, "
-             f"{', '.join(flags)}; {args.threads} thread(s); read bandwidth {results['read_bandwidth_gbs']:.1f} GB/s "
-             "in the same process). Medians of 20 calls.", "", *kernels.markdown(results)]
+               "read_bandwidth_gbs": read_bandwidth_gbs()}
+    repeats = 5 if args.quick else 20
+    results.update(kernels.run(ops, repeats))
+    lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels{' --quick' if args.quick else ''}` "
+             f"({results['meta']['date']}; {cpu.model}, {', '.join(flags)}; {args.threads} thread(s); read bandwidth "
+             f"{results['read_bandwidth_gbs']:.1f} GB/s in the same process). Medians of {repeats} calls.", "",
+             *kernels.markdown(results)]
     if args.no_docs:
         print("\n".join(lines))
     else:
