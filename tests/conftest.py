@@ -34,6 +34,16 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") == "test_footprint")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The CPU the suite ran on, in the summary's last lines (CI shows the tail): kernels, dtypes
+    and rounding differ between CPU kinds, so a failure reads with its CPU."""
+    from pdserve.platform import CpuInfo
+
+    cpu = CpuInfo.detect()
+    features = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu.flags)
+    terminalreporter.write_line(f"CPU: {cpu.model}, {os.cpu_count()} cores, ISA {cpu.isa}, {features or 'no AVX'}")
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_guard_tmp, ignore_errors=True)
 

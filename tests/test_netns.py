@@ -3,13 +3,16 @@ nothing of this machine uses, reached through its own bridge and nowhere else, g
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from ipaddress import IPv4Network
 
 import pytest
 
-from pdserve.testing.netns import RANGE, RULE_PREF, Hosts, free_subnet, why_not
+from pdserve.testing.netns import RANGE, RULE_PREF, Hosts, free_subnet, remove_stale, why_not
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"needs network namespaces: {why_not()}")
 
@@ -73,3 +76,35 @@ def test_hosts_are_reached_past_a_policy_rule_that_sends_their_subnet_elsewhere(
         subprocess.run(["ip", "rule", "del", "to", str(subnet), "lookup", "4242", "pref", "1000"], check=True)
         subprocess.run(["ip", "route", "del", "blackhole", "default", "table", "4242"], check=True)
     assert leftovers("t4", subnet) == []
+
+
+KILLED_RUN = """
+import sys, time
+from pdserve.testing.netns import Hosts
+hosts = Hosts(2).__enter__()
+print(hosts[0].address, flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_a_killed_run_left_is_removed_by_the_next_and_a_live_runs_is_not():
+    """A run SIGKILLed inside its hosts (a CI machine's session ending) leaves namespaces, a bridge
+    and a policy rule; the next set of hosts deletes them first. A live process's set stays."""
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN], stdout=subprocess.PIPE, text=True)
+    subnet = IPv4Network(f"{run.stdout.readline().strip()}/24", strict=False)
+    tag = str(run.pid)
+    try:
+        with Hosts(1, tag="t5") as live:  # a live run's (this process is alive; the tag is not a pid)
+            # 2 namespaces, the bridge, its 2 veth ends ("master pdbr<pid>"), the rule
+            assert len(leftovers(tag, subnet)) == 6
+            os.kill(run.pid, signal.SIGKILL)
+            run.wait()
+            assert len(leftovers(tag, subnet)) == 6
+            with Hosts(1) as mine:  # tagged with this (live) process's pid
+                assert leftovers(tag, subnet) == []
+                assert remove_stale() == []  # neither this set nor the one around it is touched
+                assert mine[0].reached() == "" and live[0].reached() == ""
+    finally:
+        run.kill()
+        run.wait()
+        remove_stale()

@@ -9,7 +9,8 @@ policy rule looks it up in the main table ahead of the machine's own rules; and 
 namespace's route to every host is checked to go through the bridge (a host's address that led off
 the machine would send the tests' traffic there) and each host to answer a TCP connection (a
 firewall fails at once, by name). Everything made is deleted on exit, and every process left in a
-namespace killed first.
+namespace killed first. What a killed run could not delete (its pid is gone) the next run deletes
+before it makes its own (`remove_stale`).
 
 Needs root (CAP_NET_ADMIN) and iproute2's `ip`; `why_not()` says what is missing where they are not.
 
@@ -97,6 +98,48 @@ def free_subnet(start: int | None = None) -> IPv4Network:
     raise RuntimeError(f"every /24 of {RANGE} is taken by this machine's addresses or routes")
 
 
+def _pid_alive(pid: int) -> bool:
+    """A process with this pid runs (a zombie, killed but not yet waited for, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # "pid (comm) state ...": comm may hold spaces
+
+
+def _stale_tag(name: str, prefix: str) -> str | None:
+    """The pid tag of `name` ("<prefix><pid>...") where that process is gone, else None."""
+    tag = name.removeprefix(prefix).split("-")[0]
+    return tag if name.startswith(prefix) and tag.isdigit() and not _pid_alive(int(tag)) else None
+
+
+def remove_stale() -> list[str]:
+    """Deletes what a run killed before its exit (SIGKILL, a machine's session ending) left: its
+    namespaces (their processes killed first), its bridge (the veth ends go with it) and the policy
+    rule to its subnet. A run's things carry its pid; only those whose process is gone are touched.
+    Returns what it deleted."""
+    removed = []
+    for line in _ip("netns", "list").splitlines():  # "pdserve-123-0 (id: 1)"
+        ns = line.split()[0] if line.split() else ""
+        if _stale_tag(ns, "pdserve-") is not None:
+            kill_all(Host(ns, ""))
+            with suppress(subprocess.CalledProcessError):
+                _ip("netns", "del", ns)
+                removed.append(f"namespace {ns}")
+    for line in _ip("-4", "-o", "addr", "show").splitlines():  # "9: pdbr123    inet 198.18.5.254/24 ..."
+        words = line.split()
+        if _stale_tag(words[1], "pdbr") is None:
+            continue
+        subnet = ip_network(words[3], strict=False)
+        with suppress(subprocess.CalledProcessError):
+            _ip("link", "del", words[1])
+            removed.append(f"bridge {words[1]}")
+        with suppress(subprocess.CalledProcessError):
+            _ip("rule", "del", "to", str(subnet), "lookup", "main", "pref", str(RULE_PREF))
+            removed.append(f"rule to {subnet}")
+    return removed
+
+
 @dataclass
 class Host:
     ns: str
@@ -155,6 +198,7 @@ class Hosts:
         return f"pdv{self.tag}{end}{i}"[:15]
 
     def __enter__(self) -> list[Host]:
+        remove_stale()
         self.subnet = self.subnet or free_subnet()
         address = lambda i: str(self.subnet[i])  # noqa: E731
         try:
