@@ -3,6 +3,11 @@ the portable path, and their refusals of bad input."""
 
 from __future__ import annotations
 
+import hashlib
+import math
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +55,25 @@ def test_rotary_embedding_rotates_strided_heads_in_place(ops, dtype):
     else:
         torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, 12:], v_before)
+
+
+def test_rotary_tables_are_the_correctly_rounded_cos_and_sin_of_the_angles_in_every_process():
+    """Every element, as libm's double cos / sin rounded once to float32, of transformers' float32
+    angles; and the same bits in fresh processes, where float32 tables once differed by process."""
+    rope = RotaryEmbedding(64, 100000.0, 4656)
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    rows = torch.tensor([0, 1, 2, 3, 777, 2327, 2328, 3000, 4655])
+    angles = torch.outer(rows.float(), inv_freq)  # float32, as transformers computes them
+    want_cos = torch.tensor([[math.cos(a) for a in row] for row in angles.tolist()]).float()
+    want_sin = torch.tensor([[math.sin(a) for a in row] for row in angles.tolist()]).float()
+    assert torch.equal(rope.cos[rows, :32], want_cos) and torch.equal(rope.cos[rows, 32:], want_cos)
+    assert torch.equal(rope.sin[rows, :32], want_sin) and torch.equal(rope.sin[rows, 32:], want_sin)
+    digest = "import hashlib; from pdserve.models.layers import RotaryEmbedding as R; r = R(64, 100000.0, 4656); " \
+             "print(hashlib.sha1(r.cos.numpy().tobytes() + r.sin.numpy().tobytes()).hexdigest())"
+    here = hashlib.sha1(rope.cos.numpy().tobytes() + rope.sin.numpy().tobytes()).hexdigest()
+    for _ in range(3):
+        assert subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True,
+                              check=True).stdout.strip() == here
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

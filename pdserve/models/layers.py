@@ -212,15 +212,22 @@ class RotaryEmbedding(nn.Module):
         self.reset_tables()
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
-        """Fill the cos/sin tables in float32 (also after the model was built on the meta device)."""
+        """Fill the cos/sin tables (float32; also after the model was built on the meta device).
+
+        The angles are transformers' float32 ones; cos and sin are taken in float64 and rounded once
+        to float32. Taken in float32, about one process in eight (an AMX Xeon) got other cos values
+        in the half of the table its main thread computed (sin not; the same call later in that
+        process gave the usual ones): every token's RoPE moved in bf16, so that node's answers
+        differed from the other nodes' under --batch-invariant. Correctly rounded values do not
+        depend on the code path a thread takes."""
         dim = self.head_dim
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
         if self.yarn is not None:
             inv_freq = self.yarn.extend(inv_freq, self.theta)
         freqs = torch.outer(torch.arange(self.max_positions, device=device).float(), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1).double()
         scale = self.yarn.cos_sin_scale if self.yarn is not None else 1.0
-        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+        self.cos, self.sin = (emb.cos() * scale).float(), (emb.sin() * scale).float()
 
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """The rotation of a forward pass's tokens at `positions`, for every layer."""
