@@ -215,17 +215,20 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // scaled after the dot. A K row then needs no conversion: 2 vdpbf16ps per 64 elements where the
 // float32 path spends 4 conversions and 4 FMAs per query head.
 template <typename scalar_t, int CHUNKS, bool BF16_DOTS>
-void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this sequence, scaled
+void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this sequence, scaled (BF16_DOTS: null)
                              const c10::BFloat16* q_hi, const c10::BFloat16* q_lo,  // BF16_DOTS: unscaled; lo or null
                              float scale, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* blocks,
                              int64_t first_block, int64_t last_block, int64_t start, int64_t context_len,
                              int64_t block_size, int64_t kv_heads, int64_t group, Partial* parts /* [kv_heads] */) {
   constexpr int64_t dim = CHUNKS * 16;
   const int64_t row_stride = kv_heads * dim, block_stride = block_size * row_stride;
-  std::vector<float> lanes(kv_heads * group * dim);  // the queries in lane order
-  for (int64_t head = 0; head < kv_heads * group; ++head)
-    for (int c = 0; c < CHUNKS; ++c)
-      for (int i = 0; i < 16; ++i) lanes[head * dim + 16 * c + i] = q[head * dim + lane_element<scalar_t>(c, i)];
+  std::vector<float> lanes;  // the float32 queries in lane order (the bf16 dots read q_hi / q_lo instead)
+  if constexpr (!BF16_DOTS) {
+    lanes.resize(kv_heads * group * dim);
+    for (int64_t head = 0; head < kv_heads * group; ++head)
+      for (int c = 0; c < CHUNKS; ++c)
+        for (int i = 0; i < 16; ++i) lanes[head * dim + 16 * c + i] = q[head * dim + lane_element<scalar_t>(c, i)];
+  }
   for (int64_t h = 0; h < kv_heads; ++h)
     for (int64_t g = 0; g < group; ++g) {
       parts[h].max[g] = -std::numeric_limits<float>::infinity();
@@ -244,7 +247,7 @@ void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this
     for (int64_t h = 0; h < kv_heads; ++h) {
       const scalar_t* k_block = k_cache + blocks[b] * block_stride + h * dim;
       const scalar_t* v_block = v_cache + blocks[b] * block_stride + h * dim;
-      const float* qh = lanes.data() + h * group * dim;
+      const float* qh = BF16_DOTS ? nullptr : lanes.data() + h * group * dim;
       Partial& out = parts[h];
       __m512 acc[kMaxGroup][CHUNKS];
       for (int64_t g = 0; g < group; ++g)
@@ -316,8 +319,6 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
   const int64_t partitions = (max_blocks + partition_blocks - 1) / partition_blocks;
   const int64_t num_blocks = kv_cache.size(1);
 
-  const at::Tensor q = query.to(at::kFloat).mul(scale).contiguous();
-  const float* q_data = q.data_ptr<float>();
   const scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
   const scalar_t* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -337,13 +338,6 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
 #else
   constexpr bool kBf16Dots = false;
 #endif
-  at::Tensor q_hi, q_lo;
-  if (kBf16Dots) {
-    q_hi = query.to(at::kBFloat16).contiguous();
-    if (query.scalar_type() != at::kBFloat16) q_lo = (query.to(at::kFloat) - q_hi.to(at::kFloat)).to(at::kBFloat16).contiguous();
-  }
-  const c10::BFloat16* q_hi_data = q_hi.defined() ? q_hi.data_ptr<c10::BFloat16>() : nullptr;
-  const c10::BFloat16* q_lo_data = q_lo.defined() ? q_lo.data_ptr<c10::BFloat16>() : nullptr;
 #if defined(__AVX512F__)
   const auto fast = head_dim == 32    ? attend_partition_avx512<scalar_t, 2, kBf16Dots>
                     : head_dim == 64  ? attend_partition_avx512<scalar_t, 4, kBf16Dots>
@@ -355,6 +349,19 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
                          const scalar_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          int64_t, Partial*) = nullptr;
 #endif
+  // The query as each path reads it: unscaled bf16 (hi, and lo for a float32 query) for the bf16
+  // dots, which scale after the dot; scaled float32 for the others.
+  const bool bf16_dots = kBf16Dots && fast != nullptr;
+  at::Tensor q, q_hi, q_lo;
+  if (bf16_dots) {
+    q_hi = query.to(at::kBFloat16).contiguous();
+    if (query.scalar_type() != at::kBFloat16) q_lo = (query.to(at::kFloat) - q_hi.to(at::kFloat)).to(at::kBFloat16).contiguous();
+  } else {
+    q = query.to(at::kFloat).mul(scale).contiguous();
+  }
+  const float* q_data = q.defined() ? q.data_ptr<float>() : nullptr;
+  const c10::BFloat16* q_hi_data = q_hi.defined() ? q_hi.data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* q_lo_data = q_lo.defined() ? q_lo.data_ptr<c10::BFloat16>() : nullptr;
   // Work units: (sequence, KV head, partition), or with the AVX-512 path (sequence, partition).
   const int64_t unit_heads = fast != nullptr ? 1 : kv_heads;
   at::parallel_for(0, seqs * unit_heads * partitions, 1, [&](int64_t begin, int64_t end) {
@@ -379,7 +386,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
       if (fast != nullptr) {
         for (int64_t h = 0; h < kv_heads; ++h) parts[h] = partial(s, h, p);
         const int64_t q_offset = s * heads * head_dim;
-        fast(q_data + q_offset, q_hi_data ? q_hi_data + q_offset : nullptr, q_lo_data ? q_lo_data + q_offset : nullptr,
+        fast(q_data ? q_data + q_offset : nullptr, q_hi_data ? q_hi_data + q_offset : nullptr, q_lo_data ? q_lo_data + q_offset : nullptr,
              static_cast<float>(scale), k_cache, v_cache, table, first, last, start, lens[s], block_size, kv_heads,
              group, parts);
         continue;
@@ -401,7 +408,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
   });
 
   // Merge the partitions of each (sequence, query head).
-  at::Tensor merged = at::empty({seqs, heads, head_dim}, q.options());
+  at::Tensor merged = at::empty({seqs, heads, head_dim}, query.options().dtype(at::kFloat));
   float* m_data = merged.data_ptr<float>();
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
