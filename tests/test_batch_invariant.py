@@ -186,5 +186,17 @@ def test_pd_pull_and_push_equal_colocated_on_bf16_int4_concurrently(tmp_path):
             for name, url in (("colocated", both.url), ("pull", proxies["pull"].url), ("push", proxies["push"].url)):
                 answers[name] = list(pool.map(lambda prompt: ask(url, prompt), PROMPTS))
         assert 'batch_invariant="true"' in httpx.get(d.url + "/metrics").text
-        assert answers["pull"] == answers["colocated"]
-        assert answers["push"] == answers["colocated"]
+        for mode in ("pull", "push"):
+            assert answers[mode] == answers["colocated"], f"{mode}: " + first_differences(answers[mode],
+                                                                                        answers["colocated"])
+
+
+def first_differences(got: list[tuple[str, list[float]]], want: list[tuple[str, list[float]]]) -> str:
+    """Which prompts differ and where first, in a line each (CI shows the tail: a whole diff hid it)."""
+    lines = []
+    for i, ((text, logprobs), (want_text, want_logprobs)) in enumerate(zip(got, want)):
+        if (text, logprobs) != (want_text, want_logprobs):
+            at = next((j for j, (a, b) in enumerate(zip(logprobs, want_logprobs)) if a != b), None)
+            where = f"token {at}: logprob {logprobs[at]!r} vs {want_logprobs[at]!r}" if at is not None else "text only"
+            lines.append(f"prompt {i} differs first at {where}")
+    return f"{len(lines)} of {len(want)} answers differ from the colocated node's:\n" + "\n".join(lines)

@@ -230,6 +230,73 @@ class Scheduler:
             outputs.append(req.output([token]))
         return outputs
 
+    # -- steady decode runs: k steps of one batch taken at once (a simulator's fast path, issue 36) --
+
+    def steady_decode_steps(self, out: SchedulerOutput, most: int) -> int:
+        """How many steps in a row, `out` (just scheduled) the first, `schedule` would give this same
+        batch, each request decoding one more token: every running request decodes, none was
+        preempted, and no waiting request can be admitted meanwhile. At most `most`; at most until a
+        request reaches max_tokens or max_model_len; at most what the free blocks cover. 1 when the
+        batch may change after this step. Stop tokens and strings are not known ahead: the tokens
+        given to `advance_decode_steps` decide those."""
+        running = self.running
+        if most <= 1 or out.preempted or len(out.scheduled) != len(running) or not all(
+                s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
+                for s in out.scheduled):
+            return 1
+        # A waiting head that was not admitted stays out while free blocks only shrink, the budget and
+        # the seat count stay: unless the blocks these steps fill make it a prefix-cache hit.
+        if self.waiting and len(running) < self.max_num_seqs and self.block_manager.enable_prefix_caching:
+            return 1
+        steps = min([most] + [min(r.params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
+                              for r in running])
+        manager = self.block_manager
+
+        def blocks_for(k: int) -> int:  # new blocks for k steps (the first step's are held); sliding groups: at most
+            return sum(max(0, manager.blocks_needed(r.num_computed_tokens + k) - len(table))
+                       for r in running for table in r.block_tables)
+
+        if blocks_for(steps) <= manager.num_free_blocks:
+            return max(steps, 1)
+        lo, hi = 1, steps - 1  # the most steps the free blocks cover (blocks_for(1) == 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks_for(mid) <= manager.num_free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance_decode_steps(self, out: SchedulerOutput, tokens: dict[str, Sequence[int]],
+                             times: Sequence[float]) -> list[RequestOutput]:
+        """len(times) steps of the steady batch `out` at once (steady_decode_steps says how many may
+        be): request r samples tokens[r][j] at times[j] in step j. What scheduling each step and
+        update_from_output give, but the blocks ids handed out (tests/test_steady_decode.py). A
+        token that would stop a request before the last step (a stop token, a stop string, a
+        grammar) is refused: the batch would change there."""
+        k = len(times)
+        if not 1 <= k <= self.steady_decode_steps(out, k):
+            raise ValueError(f"{k} steps are not a steady decode run of this batch")
+        for s in out.scheduled:
+            req = s.request
+            if req.params.stop or req.grammar is not None or not req.stop_token_ids.isdisjoint(
+                    tokens[req.request_id][: k - 1]):
+                raise ValueError(f"request {req.request_id} may stop before step {k}: take single steps")
+        outputs = []
+        for s in out.scheduled:
+            req = s.request
+            new = list(tokens[req.request_id][:k])
+            if not self.block_manager.allocate(req, k):  # this step's blocks held, the next k - 1 steps'
+                raise RuntimeError(f"no blocks for {k} steps of {req.request_id}: steady_decode_steps said they fit")
+            req.num_computed_tokens += k
+            for token, now in zip(new, times):
+                req.append_token(token, now)
+            self.block_manager.cache_full_blocks(req)
+            if req.status.finished:
+                self._finish(req)
+            outputs.append(req.output(new))
+        return outputs
+
     def _fork(self, first: Request) -> None:
         """`first` has computed its prompt: its siblings take the prompt's full blocks (all but the
         block holding the last prompt token, which each computes itself) and queue at the front."""
