@@ -256,16 +256,7 @@ class Scheduler:
             return sum(max(0, manager.blocks_needed(r.num_computed_tokens + k) - len(table))
                        for r in running for table in r.block_tables)
 
-        if blocks_for(steps) <= manager.num_free_blocks:
-            return max(steps, 1)
-        lo, hi = 1, steps - 1  # the most steps the free blocks cover (blocks_for(1) == 0)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if blocks_for(mid) <= manager.num_free_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return most_steps(max(steps, 1), lambda k: blocks_for(k) <= manager.num_free_blocks)
 
     def advance_decode_steps(self, out: SchedulerOutput, tokens: dict[str, Sequence[int]],
                              times: Sequence[float]) -> list[RequestOutput]:
@@ -355,3 +346,18 @@ class Scheduler:
         else:
             self.block_manager.free(req)
         del self.requests[req.request_id]
+
+
+def most_steps(steps: int, fits: Callable[[int], bool]) -> int:
+    """The most of `steps` steps (>= 1) for which `fits`, a test that holds for 1 and, once false,
+    stays false for more steps (blocks a run takes only grow with its length)."""
+    if fits(steps):  # the common case: blocks to spare
+        return steps
+    lo, hi = 1, steps - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

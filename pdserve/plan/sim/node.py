@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.engine.scheduler import most_steps
 from pdserve.plan.sim.cache import PrefixCache
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.setup import Batching
@@ -250,16 +251,7 @@ class SimNode:
         def needed(s: int) -> int:
             return sum(max(-(-(j.computed + s) // size) - j.blocks, 0) for j in decodes)
 
-        if needed(steps) <= self.free_blocks:  # the common case: blocks to spare
-            return steps
-        lo, hi = 1, steps - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if needed(mid) <= self.free_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return most_steps(steps, lambda s: needed(s) <= self.free_blocks)
 
     def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
         now = self.sim.now
