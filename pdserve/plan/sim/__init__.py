@@ -17,9 +17,9 @@ What it models, as pdserve does it:
   until its KV has left (pulled by D, or its last layer pushed); steps that only decode a batch
   that does not change are one event (a decode run, ended early where blocks would run out), so
   the cost of simulating grows with requests, not with tokens;
-- the prefix cache, block by block as BlockManager keeps it (hash-chained full blocks, shared while
-  in use, evicted least recently freed first), when the workload has conversations, the setup is
-  auto, or it is asked for;
+- KV blocks and the prefix cache by the engine's own BlockManager (hash-chained full blocks, shared
+  while in use, evicted least recently freed first); the cache when the workload has conversations,
+  the setup is auto, or it is asked for;
 - conversations (`--dataset multiturn`) as bench runs them: each turn sent after the previous
   answer and the user's think time, its prompt the history (earlier turns and seeded answers);
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for

@@ -8,18 +8,25 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import most_steps
-from pdserve.plan.sim.cache import PrefixCache
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.setup import Batching
 from pdserve.plan.sim.tracker import Tracker
+
+
+class _NoPromptLogprobs:
+    prompt_logprobs = None  # what BlockManager.match_prefix reads of a request's sampling params
 
 
 @dataclass
 class Job:
     """A request's work on one node, counted as the engine's Request counts it: `prompt_tokens`, of
     which `context` arrive computed (KV from P), then `output_tokens` tokens, the first sampled by
-    the step that computes the last prompt token. A preempted job computes all it has again."""
+    the step that computes the last prompt token. A preempted job computes all it has again.
+
+    Its KV blocks are the engine's BlockManager's, which reads the fields a Request has for it
+    (block tables, computed tokens, the full blocks' hashes, the ones published)."""
 
     request_id: int
     prompt_tokens: int
@@ -28,16 +35,30 @@ class Job:
     tokens: Tracker | None  # where the tokens go (None: a prefill node's token, which the client never sees)
     on_done: Callable[[float], None]
     hold: bool = False  # P: keep the KV blocks after the last token until the proxy releases them
-    computed: int = 0
+    num_computed_tokens: int = 0
     generated: int = 0
-    blocks: int = 0
     hashes: list[int] | None = None  # prefix caching: its full blocks' hashes (prompt, then output tokens)
-    keys: list[int] = field(default_factory=list)  # prefix caching: its blocks (PrefixCache's keys)
-    published: int = 0  # prefix caching: its leading blocks filed in the cache
+    block_tables: list[list[int]] = field(default_factory=list)  # BlockManager's: one table (one KV group)
+    num_published_blocks: int = 0  # BlockManager's: its leading blocks filed in the prefix cache
+    params = _NoPromptLogprobs()
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_tokens + self.generated
+
+    block_size: int = 0  # the node's (set on submit)
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """BlockManager's: the hashes a Request has computed by now (its tokens so far but the last
+        sampled one), read from the whole sequence's, known ahead."""
+        if not self.hashes:
+            return []
+        return self.hashes[: max(self.num_tokens - 1, self.num_computed_tokens) // self.block_size]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_tables[0]) if self.block_tables else 0
 
 
 
@@ -86,23 +107,35 @@ class SimNode:
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
     prefix_caching: bool = False
-    free_blocks: int = field(init=False)
-    cache: PrefixCache | None = field(init=False)
+    blocks: BlockManager = field(init=False)
+    cached: CachedHashes | None = field(init=False)  # the hashes the prefix cache holds (the proxy's index reads it)
     preemptions: int = 0
 
     def __post_init__(self) -> None:
-        self.free_blocks = self.batching.num_blocks
-        self.cache = PrefixCache(self.batching.num_blocks) if self.prefix_caching else None
+        self.cached = CachedHashes() if self.prefix_caching else None
+        self.blocks = BlockManager(self.batching.num_blocks, self.batching.block_size, self.prefix_caching,
+                                   events=self.cached)
 
-    def cached_prefix(self, job: Job) -> list[int]:
-        """The hashes of job's leading blocks this node's cache holds now."""
-        if self.cache is None or not job.hashes:
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    def cached_prefix(self, job: Job) -> list[list[int]]:
+        """job's leading blocks this node's cache holds now (BlockManager.match_prefix's tables)."""
+        if self.cached is None or not job.hashes:
             return []
-        return self.cache.match(job.hashes, (job.num_tokens - 1) // self.batching.block_size)
+        job.block_size = self.batching.block_size  # (asked before it is submitted: the proxy sizing a pull)
+        return self.blocks.match_prefix(job)
 
     def submit(self, job: Job) -> None:
         if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
             return  # larger than the whole pool: the engine refuses it (max_model_len <= the pool)
+        job.block_size = self.batching.block_size
+        if self.cached is not None and job.hashes is not None:
+            # The blocks of output nobody asks for again have tokens the simulator never draws: their
+            # hashes stand in, one per block, matching nothing (the engine would file real ones).
+            full = (job.prompt_tokens + job.output_tokens) // self.batching.block_size
+            job.hashes = job.hashes + [("unseen", job.request_id, i) for i in range(len(job.hashes), full)]
         self.waiting.append(job)
         self.outstanding += 1
         if self.run is not None:
@@ -114,48 +147,18 @@ class SimNode:
         self._free(job)
         self._maybe_step()
 
-    def _allocate(self, job: Job, tokens: int, prefix: list[int] = ()) -> bool:
-        """Blocks for `tokens` computed tokens of job, the cached `prefix` blocks first (BlockManager.allocate)."""
-        if not prefix:  # the hot path
-            needed = self.batching.blocks_for(tokens) - job.blocks
-            if needed > self.free_blocks:
-                return False
-        else:
-            needed = self.batching.blocks_for(tokens) - job.blocks - len(prefix)
-            reusable = self.cache.reusable(prefix)
-            if needed > self.free_blocks - reusable:
-                return False
-            self.cache.take(prefix)
-            job.keys.extend(prefix)
-            job.blocks += len(prefix)
-            job.published = len(prefix)
-            self.free_blocks -= reusable
-        if needed > 0:
-            job.blocks += needed
-            self.free_blocks -= needed
-            if self.cache is not None:
-                job.keys.extend(self.cache.hand_out(needed))
-        return True
-
     def _free(self, job: Job) -> None:
-        if self.cache is not None:
-            self.free_blocks += self.cache.give_back(job.keys)
-            job.keys, job.published = [], 0
-        else:
-            self.free_blocks += job.blocks
-        job.blocks = 0
+        self.blocks.free(job)
 
     def _publish(self, job: Job) -> None:
-        if job.hashes:
-            full = min(job.computed // self.batching.block_size, len(job.hashes))
-            if full > job.published:
-                self.cache.publish(job.keys, job.hashes, job.published, full)
-                job.published = full
+        """BlockManager.cache_full_blocks, called only where a block has filled since (the hot path)."""
+        if job.num_computed_tokens // self.batching.block_size > job.num_published_blocks:
+            self.blocks.cache_full_blocks(job)
 
     def _preempt(self, job: Job) -> None:
         """Scheduler._preempt: free its blocks; its prompt and output so far are prefilled again."""
         self._free(job)
-        job.computed = job.context = 0
+        job.num_computed_tokens = job.context = 0
         self.waiting.appendleft(job)
         self.preemptions += 1
 
@@ -181,10 +184,10 @@ class SimNode:
         i = 0
         while i < len(self.running) and budget > 0:
             job = self.running[i]
-            remaining = job.prompt_tokens + job.generated - job.computed
+            remaining = job.prompt_tokens + job.generated - job.num_computed_tokens
             n = min(remaining, budget)
             # (the first test skips the call while the job's last block has room: the hot path)
-            while job.computed + n > job.blocks * size and not self._allocate(job, job.computed + n):
+            while job.num_computed_tokens + n > job.blocks * size and not self.blocks.allocate(job, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -202,15 +205,17 @@ class SimNode:
         while self.waiting and budget > 0 and len(self.running) < limits.max_seqs:
             job = self.waiting[0]
             prefix = self.cached_prefix(job)
-            start = max(job.context, len(prefix) * size)  # tokens it has: sent by P, or cached here
+            hit = len(prefix[0]) * size if prefix else 0
+            start = max(job.context, hit)  # tokens it has: sent by P, or cached here
             remaining = job.num_tokens - start
             if not limits.chunked and remaining > budget:
                 break  # the whole prompt in one step, or wait for the next
             n = min(remaining, budget)
-            if not self._allocate(job, start + n, prefix):
+            # The cached blocks shared, new ones for the rest of what P sent and this step's tokens.
+            if not self.blocks.allocate(job, start - hit + n, prefix):
                 break  # the head of the queue waits for blocks
             self.waiting.popleft()
-            job.computed = start
+            job.num_computed_tokens = start
             self.running.append(job)
             chunks.append((job, n))
             budget -= n
@@ -227,8 +232,11 @@ class SimNode:
         costs = self.sim.costs
         self.busy = True
         kv_tokens = sum(job.prompt_tokens + job.generated for job in decodes)  # the token fed this step included
-        if chunks or preempted or len(decodes) < len(self.running):  # one step; the next may differ
-            seconds = sum(costs.chunk(n, job.computed) for job, n in chunks)
+        # One step where the next may differ; also where a waiting head could become a prefix-cache
+        # hit as these steps fill blocks (Scheduler.steady_decode_steps).
+        waits = self.waiting and len(self.running) < self.batching.max_seqs and self.cached is not None
+        if chunks or preempted or len(decodes) < len(self.running) or waits:
+            seconds = sum(costs.chunk(n, job.num_computed_tokens) for job, n in chunks)
             seconds += costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
             self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(decodes, chunks))
             return
@@ -249,24 +257,24 @@ class SimNode:
         size = self.batching.block_size
 
         def needed(s: int) -> int:
-            return sum(max(-(-(j.computed + s) // size) - j.blocks, 0) for j in decodes)
+            return sum(max(-(-(j.num_computed_tokens + s) // size) - j.blocks, 0) for j in decodes)
 
         return most_steps(steps, lambda s: needed(s) <= self.free_blocks)
 
     def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
         now = self.sim.now
         emitting = list(decodes)
-        caching = self.cache is not None
+        caching = self.cached is not None
         for job in decodes:
-            job.computed += 1
+            job.num_computed_tokens += 1
             job.generated += 1
             if caching:
                 self._publish(job)
         for job, n in chunks:
-            job.computed += n
+            job.num_computed_tokens += n
             if caching:
                 self._publish(job)
-            if job.computed == job.prompt_tokens + job.generated:  # the prompt is done: its next token
+            if job.num_computed_tokens == job.prompt_tokens + job.generated:  # the prompt is done: its next token
                 job.generated += 1
                 emitting.append(job)
         for job in emitting:
@@ -280,11 +288,11 @@ class SimNode:
         run, self.run = self.run, None
         size = self.batching.block_size
         for job in run.jobs:
-            job.computed += run.steps
+            if job.num_computed_tokens + run.steps > job.blocks * size:  # the blocks its steps took, taken at the end
+                self.blocks.allocate(job, run.steps)
+            job.num_computed_tokens += run.steps
             job.generated += run.steps
-            if job.computed > job.blocks * size:  # the blocks its steps took, counted at the end
-                self._allocate(job, job.computed)
-            if self.cache is not None:
+            if self.cached is not None:
                 self._publish(job)
             if job.tokens is not None:
                 job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
@@ -300,3 +308,14 @@ class SimNode:
                 job.on_done(now)
         self.busy = False
         self._maybe_step()
+
+
+class CachedHashes(set):
+    """The hashes a node's prefix cache holds, kept by BlockManager's events (filed, dropped): the
+    simulated proxy's prefix index reads it live."""
+
+    def stored(self, block_hash: int) -> None:
+        self.add(block_hash)
+
+    def removed(self, block_hash: int) -> None:
+        self.discard(block_hash)

@@ -32,8 +32,8 @@ class SimIndex:
     sync (a real proxy lags the nodes by the events of a step or two)."""
 
     def __init__(self, nodes: dict[str, SimNode], block_size: int) -> None:
-        self.caches = {url: NodeCache(block_size=block_size, hashes=node.cache.hashes, synced=True)
-                       for url, node in nodes.items() if node.cache is not None}
+        self.caches = {url: NodeCache(block_size=block_size, hashes=node.cached, synced=True)
+                       for url, node in nodes.items() if node.cached is not None}
 
     def cache(self, node: Node) -> NodeCache | None:
         return self.caches.get(node.url)
@@ -109,7 +109,8 @@ class SimProxy:
         def prefilled(t: float) -> None:
             on_prefilled()
             target = decoder or self._pick(self.decoders, "decode")
-            held = len(target.cached_prefix(decoder_job)) * target.batching.block_size
+            prefix = target.cached_prefix(decoder_job)
+            held = len(prefix[0]) * target.batching.block_size if prefix else 0
             pulled = t + self.profile_transfer((n - held) * self.kv_bytes_per_token) + hop
             self.sim.at(pulled, lambda: (prefiller.release(prefill_job), target.submit(decoder_job)))
 
