@@ -76,8 +76,7 @@ def run(seed: int, blocks: int, prefix_caching: bool, steady: bool) -> tuple[dic
     return seen, manager.num_free_blocks, set(manager.cached_blocks), runs
 
 
-# (4, 24) and (10, 28): a waiting next turn becomes admissible mid-run, as its previous turn's
-# blocks fill and are cached (the run must stop there).
+# (4, 24) and (10, 28): next turns wait for blocks while their history decodes and fills cached blocks.
 @pytest.mark.parametrize("seed, blocks, prefix_caching", [(0, 200, True), (1, 200, False), (2, 40, True),
                                                           (3, 28, False), (4, 60, True), (4, 24, True),
                                                           (10, 28, True)])
@@ -100,10 +99,12 @@ def test_a_run_is_refused_where_the_batch_would_change():
         scheduler.add(req)
     out = scheduler.schedule()  # the prompts: not a decode step
     assert scheduler.steady_decode_steps(out, 50) == 1
+    with pytest.raises(ValueError, match="not a steady decode batch"):
+        scheduler.advance_decode_steps(out, {"a": [1], "b": [1], "c": [1]}, [1.0])
     scheduler.update_from_output(out, {"a": 11, "b": 12, "c": 13})
     out = scheduler.schedule()
     assert scheduler.steady_decode_steps(out, 50) == 2  # b ends with its 3rd token
-    with pytest.raises(ValueError, match="not a steady decode run"):
+    with pytest.raises(ValueError, match="request b ends before step 3"):
         scheduler.advance_decode_steps(out, {"a": [1, 2, 3], "b": [1, 2, 3], "c": [1, 2, 3]}, [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="request c may stop before step 2"):
         scheduler.advance_decode_steps(out, {"a": [1, 2], "b": [1, 2], "c": [EOS, 2]}, [1.0, 2.0])

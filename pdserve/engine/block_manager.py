@@ -92,7 +92,8 @@ class BlockManager:
             return []
         self._update_hashes(req, req.num_tokens - 1)
         hashes = req.block_hashes
-        k = self._longest_prefix(len(hashes), lambda g, i: (g, hashes[i]) in self.cached_blocks)
+        most = min(len(hashes), (req.num_tokens - 1) // self.block_size)  # hashes known ahead may reach further
+        k = self._longest_prefix(most, lambda g, i: (g, hashes[i]) in self.cached_blocks)
         return self._tables_up_to(k, lambda g, i: self.cached_blocks[(g, hashes[i])]) if k else []
 
     def fork_prefix(self, first: Request, num_blocks: int) -> list[list[int]]:
@@ -161,9 +162,9 @@ class BlockManager:
 
     def cache_full_blocks(self, req: Request) -> None:
         """Publish req's newly computed full blocks for prefix reuse (every group's that it holds)."""
-        if not self.enable_prefix_caching:
-            return
         num_full = req.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= req.num_published_blocks:
+            return  # (most steps: no block filled since)
         self._update_hashes(req, req.num_computed_tokens)
         for i in range(req.num_published_blocks, num_full):
             h = req.block_hashes[i]

@@ -13,10 +13,10 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.messages import CheckedRequest, DecodeSteps, EngineInfo, EngineStats, RequestOutput
-from pdserve.engine.model_runner import ModelRunner, is_decode
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.rank import RankSpec, set_up_rank
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from pdserve.engine.tp_workers import TPWorkers, tp_threads
 from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
 from pdserve.kv.events import KVEventLog, KVEventPage, KVSnapshot

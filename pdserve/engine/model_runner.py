@@ -6,7 +6,7 @@ import torch
 
 from pdserve.engine.logits import apply_logit_controls
 from pdserve.engine.sampler import sample, token_logprobs
-from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput, is_decode
 from pdserve.engine.tp_workers import TPWorkers
 from pdserve.kv.pool import KVPool
 from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk, RowsAlone
@@ -167,12 +167,6 @@ class ModelRunner:
         visible = (positions < context) & (positions >= context - window) if window else positions < context
         mask = torch.zeros(visible.shape, dtype=self.compute_dtype, device=dev).masked_fill_(~visible, float("-inf"))
         return DecodeGroup(start, end, padded, mask[:, None, None, :], torch.tensor(lens, device=dev), window=window)
-
-
-def is_decode(s: ScheduledRequest) -> bool:
-    """One new token after an output token. A lone prompt token (the last one, computed by a decode
-    node whose KV came from P) is a prefill chunk: it takes the path a colocated node's prefill takes."""
-    return s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
 
 
 MIN_PARTITION_BLOCKS = 8  # C++ decode attention: the fewest context blocks one work unit reads

@@ -241,13 +241,12 @@ class Scheduler:
         given to `advance_decode_steps` decide those."""
         running = self.running
         if most <= 1 or out.preempted or len(out.scheduled) != len(running) or not all(
-                s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
-                for s in out.scheduled):
+                is_decode(s) for s in out.scheduled):
             return 1
-        # A waiting head that was not admitted stays out while free blocks only shrink, the budget and
-        # the seat count stay: unless the blocks these steps fill make it a prefix-cache hit.
-        if self.waiting and len(running) < self.max_num_seqs and self.block_manager.enable_prefix_caching:
-            return 1
+        # A waiting head that was not admitted stays out: the budget and the seats stay, free blocks
+        # only shrink. A block a run fills may make it a longer prefix-cache hit, one block fewer to
+        # take, but the request that filled it takes its next block in the same schedule(), before
+        # the waiting are tried (tests/test_steady_decode.py has next turns waiting on their history).
         steps = min([most] + [min(r.params.max_tokens - r.num_output_tokens, r.max_model_len - r.num_tokens)
                               for r in running])
         manager = self.block_manager
@@ -260,32 +259,40 @@ class Scheduler:
 
     def advance_decode_steps(self, out: SchedulerOutput, tokens: dict[str, Sequence[int]],
                              times: Sequence[float]) -> list[RequestOutput]:
-        """len(times) steps of the steady batch `out` at once (steady_decode_steps says how many may
-        be): request r samples tokens[r][j] at times[j] in step j. What scheduling each step and
-        update_from_output give, but the blocks ids handed out (tests/test_steady_decode.py). A
-        token that would stop a request before the last step (a stop token, a stop string, a
-        grammar) is refused: the batch would change there."""
+        """len(times) steps of the steady batch `out` at once: request r samples tokens[r][j] at
+        times[j] in step j. At most the steps steady_decode_steps gave when `out` was scheduled
+        (work that arrived since waits for the next schedule(), as it would at a step boundary).
+        What scheduling each step and update_from_output give, but the block ids handed out
+        (tests/test_steady_decode.py). Refused: steps past a request's end, and a token that could
+        stop a request before the last step (a stop token, a stop string, a grammar)."""
         k = len(times)
-        if not 1 <= k <= self.steady_decode_steps(out, k):
-            raise ValueError(f"{k} steps are not a steady decode run of this batch")
+        if k < 1 or len(out.scheduled) != len(self.running) or not all(is_decode(s) for s in out.scheduled):
+            raise ValueError("not a steady decode batch")
         for s in out.scheduled:
             req = s.request
+            if k > min(req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens):
+                raise ValueError(f"request {req.request_id} ends before step {k}")
             if req.params.stop or req.grammar is not None or not req.stop_token_ids.isdisjoint(
                     tokens[req.request_id][: k - 1]):
                 raise ValueError(f"request {req.request_id} may stop before step {k}: take single steps")
+        # Step by step in the order schedule() and update_from_output take them, so that blocks are
+        # handed out and filed in the prefix cache in the same order (two requests may fill blocks
+        # of the same hash: which one's is cached decides what a later eviction drops).
+        manager, size = self.block_manager, self.block_manager.block_size
+        reqs = [s.request for s in out.scheduled]
+        for j, now in enumerate(times):
+            for req in reqs if j else ():  # this step's blocks (the first step's are held)
+                if req.num_computed_tokens + 1 > len(req.block_tables[0]) * size and not manager.allocate(req, 1):
+                    raise RuntimeError(f"no block for step {j} of {req.request_id}: steady_decode_steps said they fit")
+            for req in reqs:
+                req.num_computed_tokens += 1
+                manager.cache_full_blocks(req)
+                req.append_token(tokens[req.request_id][j], now)
         outputs = []
-        for s in out.scheduled:
-            req = s.request
-            new = list(tokens[req.request_id][:k])
-            if not self.block_manager.allocate(req, k):  # this step's blocks held, the next k - 1 steps'
-                raise RuntimeError(f"no blocks for {k} steps of {req.request_id}: steady_decode_steps said they fit")
-            req.num_computed_tokens += k
-            for token, now in zip(new, times):
-                req.append_token(token, now)
-            self.block_manager.cache_full_blocks(req)
+        for req in reqs:
             if req.status.finished:
                 self._finish(req)
-            outputs.append(req.output(new))
+            outputs.append(req.output(list(tokens[req.request_id][:k])))
         return outputs
 
     def _fork(self, first: Request) -> None:
@@ -346,6 +353,12 @@ class Scheduler:
         else:
             self.block_manager.free(req)
         del self.requests[req.request_id]
+
+
+def is_decode(s: ScheduledRequest) -> bool:
+    """One new token after an output token. A lone prompt token (the last one, computed by a decode
+    node whose KV came from P) is a prefill chunk: it takes the path a colocated node's prefill takes."""
+    return s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
 
 
 def most_steps(steps: int, fits: Callable[[int], bool]) -> int:

@@ -1,32 +1,32 @@
-"""A simulated node: a request's work on it (Job), its scheduler and step loop (SimNode), and a run
-of steady decode steps taken as one event (DecodeRun)."""
+"""A simulated node: the engine's own Scheduler and BlockManager on the simulation's clock, with the
+model runner replaced by the profile's step costs. A request's work on a node is a Job; a run of
+steady decode steps is one event (DecodeRun: Scheduler.steady_decode_steps / advance_decode_steps)."""
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import most_steps
+from pdserve.engine.messages import RequestOutput
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
+from pdserve.kv.connector import FinishedTransfers
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.setup import Batching
 from pdserve.plan.sim.tracker import Tracker
+from pdserve.sampling_params import SamplingParams
 
-
-class _NoPromptLogprobs:
-    prompt_logprobs = None  # what BlockManager.match_prefix reads of a request's sampling params
+NEVER = 1 << 62  # a simulated request's max_model_len: the pool (checked on submit) is the limit
 
 
 @dataclass
 class Job:
-    """A request's work on one node, counted as the engine's Request counts it: `prompt_tokens`, of
-    which `context` arrive computed (KV from P), then `output_tokens` tokens, the first sampled by
-    the step that computes the last prompt token. A preempted job computes all it has again.
-
-    Its KV blocks are the engine's BlockManager's, which reads the fields a Request has for it
-    (block tables, computed tokens, the full blocks' hashes, the ones published)."""
+    """A request's work on one node: `prompt_tokens`, of which `context` arrive computed (KV from
+    P), then `output_tokens` tokens, the first sampled by the step that computes the last prompt
+    token. `hashes`: with prefix caching, its full blocks' hashes (prompt, then output tokens),
+    which stand for its tokens (the simulator draws none)."""
 
     request_id: int
     prompt_tokens: int
@@ -35,43 +35,48 @@ class Job:
     tokens: Tracker | None  # where the tokens go (None: a prefill node's token, which the client never sees)
     on_done: Callable[[float], None]
     hold: bool = False  # P: keep the KV blocks after the last token until the proxy releases them
-    num_computed_tokens: int = 0
-    generated: int = 0
-    hashes: list[int] | None = None  # prefix caching: its full blocks' hashes (prompt, then output tokens)
-    block_tables: list[list[int]] = field(default_factory=list)  # BlockManager's: one table (one KV group)
-    num_published_blocks: int = 0  # BlockManager's: its leading blocks filed in the prefix cache
-    params = _NoPromptLogprobs()
+    hashes: list[int] | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_tokens + self.generated
 
-    block_size: int = 0  # the node's (set on submit)
+class _NoText:
+    """The engine's detokenizer, for token ids that stand for nothing."""
 
-    @property
-    def block_hashes(self) -> list[int]:
-        """BlockManager's: the hashes a Request has computed by now (its tokens so far but the last
-        sampled one), read from the whole sequence's, known ahead."""
-        if not self.hashes:
-            return []
-        return self.hashes[: max(self.num_tokens - 1, self.num_computed_tokens) // self.block_size]
+    text = ""
 
-    @property
-    def blocks(self) -> int:
-        return len(self.block_tables[0]) if self.block_tables else 0
+    def add(self, token_id: int) -> None:
+        pass
 
+    def take_delta(self, max_stop_len: int, finished: bool) -> str:
+        return ""
+
+
+class Holds:
+    """The KV connector's scheduler side as far as a P node's scheduler asks it: a finished request
+    whose KV a D will take keeps its blocks (Scheduler.held) until the proxy says it has left."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+
+    def request_finished(self, req: Request) -> tuple[bool, None]:
+        return req.request_id in self.held, None
+
+    def request_aborted(self, req: Request) -> None:
+        pass
+
+    def has_pending(self) -> bool:
+        return False
 
 
 @dataclass
 class DecodeRun:
-    """`steps` decode steps of a constant batch, taken as one event: step j (from 0) lasts
+    """`steps` decode steps of the steady batch `out`, taken as one event: step j (from 0) lasts
     first_step + growth * j, since each step adds a token to every sequence of the batch."""
 
     start: float
     first_step: float
     growth: float
     steps: int
-    jobs: list[Job]
+    out: SchedulerOutput
 
     def elapsed(self, steps: int) -> float:
         return steps * self.first_step + self.growth * steps * (steps - 1) / 2
@@ -92,51 +97,65 @@ class DecodeRun:
 
 @dataclass
 class SimNode:
-    """One node's scheduler and clock: pdserve's Scheduler (running requests first, in the order
-    they were admitted, then waiting ones within the token budget; KV blocks allocated as tokens are
-    computed; when a running request cannot get a block, the newest running request is preempted
-    and recomputed later) and its step loop, in costs."""
+    """One node: the engine's Scheduler (running requests first, in the order they were admitted,
+    then waiting ones within the token budget; KV blocks by its BlockManager as tokens are
+    computed; when a running request cannot get a block, the newest running one is preempted and
+    recomputed later) and its step loop, in costs."""
 
     sim: Simulation
     name: str
     batching: Batching
-    waiting: deque[Job] = field(default_factory=deque)
-    running: list[Job] = field(default_factory=list)
+    prefix_caching: bool = False
     busy: bool = False
     outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
-    prefix_caching: bool = False
-    blocks: BlockManager = field(init=False)
-    cached: CachedHashes | None = field(init=False)  # the hashes the prefix cache holds (the proxy's index reads it)
     preemptions: int = 0
+    cached: CachedHashes | None = field(init=False)  # the hashes its prefix cache holds (the proxy's index reads it)
+    blocks: BlockManager = field(init=False)
+    scheduler: Scheduler = field(init=False)
+    jobs: dict[str, Job] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        limits = self.batching
         self.cached = CachedHashes() if self.prefix_caching else None
-        self.blocks = BlockManager(self.batching.num_blocks, self.batching.block_size, self.prefix_caching,
-                                   events=self.cached)
+        self.blocks = BlockManager(limits.num_blocks, limits.block_size, self.prefix_caching, events=self.cached)
+        self.holds = Holds()
+        self.scheduler = Scheduler(self.blocks, limits.max_seqs, limits.budget, limits.chunked, connector=self.holds,
+                                   clock=lambda: self.sim.now)
 
     @property
     def free_blocks(self) -> int:
         return self.blocks.num_free_blocks
 
-    def cached_prefix(self, job: Job) -> list[list[int]]:
-        """job's leading blocks this node's cache holds now (BlockManager.match_prefix's tables)."""
+    def _request(self, job: Job) -> Request:
+        """The engine's Request for a job: placeholder token ids, its hashes standing for them."""
+        req = Request(str(job.request_id), [0] * job.prompt_tokens,
+                      SamplingParams(max_tokens=job.output_tokens, ignore_eos=True), _NoText(), (), NEVER, None,
+                      arrival_time=self.sim.now)
+        if job.hashes is not None and self.cached is not None:
+            # Blocks of output nobody asks for again hold tokens the simulator never draws: a
+            # stand-in hash each, matching nothing (the engine would file real ones).
+            full = (job.prompt_tokens + job.output_tokens) // self.batching.block_size
+            req.block_hashes = job.hashes + [("unseen", job.request_id, i) for i in range(len(job.hashes), full)]
+        req.num_computed_tokens = job.context  # P sent them (it never shares D's cached blocks here)
+        return req
+
+    def cached_tokens(self, job: Job) -> int:
+        """Tokens of job's prompt this node's prefix cache holds now (what D need not pull)."""
         if self.cached is None or not job.hashes:
-            return []
-        job.block_size = self.batching.block_size  # (asked before it is submitted: the proxy sizing a pull)
-        return self.blocks.match_prefix(job)
+            return 0
+        prefix = self.blocks.match_prefix(self._request(replace_context(job)))
+        return len(prefix[0]) * self.batching.block_size if prefix else 0
 
     def submit(self, job: Job) -> None:
         if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
             return  # larger than the whole pool: the engine refuses it (max_model_len <= the pool)
-        job.block_size = self.batching.block_size
-        if self.cached is not None and job.hashes is not None:
-            # The blocks of output nobody asks for again have tokens the simulator never draws: their
-            # hashes stand in, one per block, matching nothing (the engine would file real ones).
-            full = (job.prompt_tokens + job.output_tokens) // self.batching.block_size
-            job.hashes = job.hashes + [("unseen", job.request_id, i) for i in range(len(job.hashes), full)]
-        self.waiting.append(job)
+        req = self._request(job)
+        self.jobs[req.request_id] = job
+        if job.hold:
+            self.holds.held.add(req.request_id)
+        self.scheduler.add(req)
         self.outstanding += 1
         if self.run is not None:
             self._cut_run()
@@ -144,23 +163,10 @@ class SimNode:
 
     def release(self, job: Job) -> None:
         """The proxy's word that a held job's KV has left (pulled by D, or pushed)."""
-        self._free(job)
+        rid = str(job.request_id)
+        self.holds.held.discard(rid)
+        self.scheduler.update_kv_transfers(FinishedTransfers(sent=[(rid, False)]))
         self._maybe_step()
-
-    def _free(self, job: Job) -> None:
-        self.blocks.free(job)
-
-    def _publish(self, job: Job) -> None:
-        """BlockManager.cache_full_blocks, called only where a block has filled since (the hot path)."""
-        if job.num_computed_tokens // self.batching.block_size > job.num_published_blocks:
-            self.blocks.cache_full_blocks(job)
-
-    def _preempt(self, job: Job) -> None:
-        """Scheduler._preempt: free its blocks; its prompt and output so far are prefilled again."""
-        self._free(job)
-        job.num_computed_tokens = job.context = 0
-        self.waiting.appendleft(job)
-        self.preemptions += 1
 
     def _cut_run(self) -> None:
         """New work arrived during a decode run: end the run with the step now in progress, so the
@@ -173,141 +179,72 @@ class SimNode:
             token = self.run_token
             self.sim.at(run.start + run.elapsed(steps), lambda: self._finish_run(token))
 
-    def _schedule(self) -> tuple[list[Job], list[tuple[Job, int]], bool]:
-        """One step (Scheduler.schedule): its decodes, its prefill chunks (job, new tokens), and
-        whether it preempted."""
-        limits = self.batching
-        budget, size = limits.budget, limits.block_size
-        decodes: list[Job] = []
-        chunks: list[tuple[Job, int]] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            job = self.running[i]
-            remaining = job.prompt_tokens + job.generated - job.num_computed_tokens
-            n = min(remaining, budget)
-            # (the first test skips the call while the job's last block has room: the hot path)
-            while job.num_computed_tokens + n > job.blocks * size and not self.blocks.allocate(job, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is job:
-                    break
-            else:
-                if remaining == 1 and job.generated:  # one token after an output token: model_runner.is_decode
-                    decodes.append(job)
-                else:
-                    chunks.append((job, n))
-                budget -= n
-                i += 1
-        if preempted:  # admitting new work while evicting old would just thrash
-            return decodes, chunks, True
-        while self.waiting and budget > 0 and len(self.running) < limits.max_seqs:
-            job = self.waiting[0]
-            prefix = self.cached_prefix(job)
-            hit = len(prefix[0]) * size if prefix else 0
-            start = max(job.context, hit)  # tokens it has: sent by P, or cached here
-            remaining = job.num_tokens - start
-            if not limits.chunked and remaining > budget:
-                break  # the whole prompt in one step, or wait for the next
-            n = min(remaining, budget)
-            # The cached blocks shared, new ones for the rest of what P sent and this step's tokens.
-            if not self.blocks.allocate(job, start - hit + n, prefix):
-                break  # the head of the queue waits for blocks
-            self.waiting.popleft()
-            job.num_computed_tokens = start
-            self.running.append(job)
-            chunks.append((job, n))
-            budget -= n
-        return decodes, chunks, False
-
     def _maybe_step(self) -> None:
-        if self.busy or not (self.waiting or self.running):
+        if self.busy or not self.scheduler.has_runnable():
             return
-        decodes, chunks, preempted = self._schedule()
-        while not (decodes or chunks) and preempted:  # the engine's next loop turn admits what was freed
-            decodes, chunks, preempted = self._schedule()
-        if not (decodes or chunks):
+        out = self.scheduler.schedule()
+        self.preemptions += len(out.preempted)
+        while not out.scheduled and out.preempted:  # the engine's next loop turn admits what was freed
+            out = self.scheduler.schedule()
+            self.preemptions += len(out.preempted)
+        if not out.scheduled:
             return  # the head of the queue waits for KV to be freed
         costs = self.sim.costs
         self.busy = True
-        kv_tokens = sum(job.prompt_tokens + job.generated for job in decodes)  # the token fed this step included
-        # One step where the next may differ; also where a waiting head could become a prefix-cache
-        # hit as these steps fill blocks (Scheduler.steady_decode_steps).
-        waits = self.waiting and len(self.running) < self.batching.max_seqs and self.cached is not None
-        if chunks or preempted or len(decodes) < len(self.running) or waits:
-            seconds = sum(costs.chunk(n, job.num_computed_tokens) for job, n in chunks)
+        decodes = [s for s in out.scheduled if is_decode(s)]
+        kv_tokens = sum(s.request.num_tokens for s in decodes)  # the token fed this step included
+        steps = self.scheduler.steady_decode_steps(out, NEVER)
+        if steps == 1:
+            seconds = sum(costs.chunk(s.num_new_tokens, s.request.num_computed_tokens)
+                          for s in out.scheduled if not is_decode(s))
             seconds += costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
-            self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(decodes, chunks))
+            self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(out))
             return
-        # Every running job decodes and the waiting head could not be admitted (nor can it be in
-        # the steps that follow: they only take blocks), so the batch stays the same until one of
-        # them finishes, blocks run out, or new work arrives (submit cuts the run short): its steps
-        # are one event.
+        # Every running request decodes and no waiting one can be admitted meanwhile: the batch stays
+        # the same until one finishes, blocks run out, or new work arrives (submit cuts the run
+        # short). Its steps are one event.
         first = max(costs.step(len(decodes), kv_tokens), 0.0)
         growth = max(costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
-        steps = self._steps_blocks_allow(decodes, min(j.output_tokens - j.generated for j in decodes))
-        self.run = DecodeRun(self.sim.now, first, growth, steps, decodes)
+        self.run = DecodeRun(self.sim.now, first, growth, steps, out)
         self.run_token += 1
         token = self.run_token
         self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
 
-    def _steps_blocks_allow(self, decodes: list[Job], steps: int) -> int:
-        """The most of `steps` decode steps (the first one's blocks already held) the free blocks cover."""
-        size = self.batching.block_size
-
-        def needed(s: int) -> int:
-            return sum(max(-(-(j.num_computed_tokens + s) // size) - j.blocks, 0) for j in decodes)
-
-        return most_steps(steps, lambda s: needed(s) <= self.free_blocks)
-
-    def _finish_step(self, decodes: list[Job], chunks: list[tuple[Job, int]]) -> None:
+    def _finish_step(self, out: SchedulerOutput) -> None:
         now = self.sim.now
-        emitting = list(decodes)
-        caching = self.cached is not None
-        for job in decodes:
-            job.num_computed_tokens += 1
-            job.generated += 1
-            if caching:
-                self._publish(job)
-        for job, n in chunks:
-            job.num_computed_tokens += n
-            if caching:
-                self._publish(job)
-            if job.num_computed_tokens == job.prompt_tokens + job.generated:  # the prompt is done: its next token
-                job.generated += 1
-                emitting.append(job)
-        for job in emitting:
+        outputs = self.scheduler.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
+        for output in outputs:
+            job = self.jobs[output.request_id]
             if job.tokens is not None:
                 job.tokens.token(now)
-        self._retire(emitting, now)
+        self._retire(outputs, now)
 
     def _finish_run(self, token: int) -> None:
         if token != self.run_token:
             return  # this run was cut short; its new end is scheduled
         run, self.run = self.run, None
-        size = self.batching.block_size
-        for job in run.jobs:
-            if job.num_computed_tokens + run.steps > job.blocks * size:  # the blocks its steps took, taken at the end
-                self.blocks.allocate(job, run.steps)
-            job.num_computed_tokens += run.steps
-            job.generated += run.steps
-            if self.cached is not None:
-                self._publish(job)
+        times = [run.start + run.elapsed(j + 1) for j in range(run.steps)]
+        outputs = self.scheduler.advance_decode_steps(
+            run.out, {s.request.request_id: [0] * run.steps for s in run.out.scheduled}, times)
+        for output in outputs:
+            job = self.jobs[output.request_id]
             if job.tokens is not None:
                 job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
-        self._retire(run.jobs, self.sim.now)
+        self._retire(outputs, self.sim.now)
 
-    def _retire(self, jobs: list[Job], now: float) -> None:
-        for job in jobs:
-            if job.generated == job.output_tokens:
-                self.running.remove(job)
+    def _retire(self, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            if output.finished:
+                job = self.jobs.pop(output.request_id)
                 self.outstanding -= 1
-                if not job.hold:
-                    self._free(job)
                 job.on_done(now)
         self.busy = False
         self._maybe_step()
+
+
+def replace_context(job: Job) -> Job:
+    """job as a fresh request (no KV sent yet): what a prefix-cache lookup sees."""
+    return Job(job.request_id, job.prompt_tokens, 0, job.output_tokens, None, job.on_done, job.hold, job.hashes)
 
 
 class CachedHashes(set):

@@ -109,8 +109,7 @@ class SimProxy:
         def prefilled(t: float) -> None:
             on_prefilled()
             target = decoder or self._pick(self.decoders, "decode")
-            prefix = target.cached_prefix(decoder_job)
-            held = len(prefix[0]) * target.batching.block_size if prefix else 0
+            held = target.cached_tokens(decoder_job)
             pulled = t + self.profile_transfer((n - held) * self.kv_bytes_per_token) + hop
             self.sim.at(pulled, lambda: (prefiller.release(prefill_job), target.submit(decoder_job)))
 
