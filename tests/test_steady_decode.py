@@ -18,12 +18,16 @@ EOS = 7
 
 
 def token_at(rid: str, position: int) -> int:
-    """The token a request samples at a position: fixed by both, so both runs see the same answers."""
+    """The token a request samples at a position: fixed by both, so both runs see the same answers;
+    a twin ("r5 twin") samples what its first does."""
+    rid = rid.removesuffix(" twin")
     return 10 + zlib.crc32(f"{rid}:{position}".encode()) % 90 if (position * 31 + len(rid)) % 23 else EOS
 
 
 def workload(seed: int) -> list[tuple[int, str, list[int], SamplingParams, int]]:
-    """(arrival step, id, prompt, params, max_model_len) of 14 requests; some share a prompt prefix."""
+    """(arrival step, id, prompt, params, max_model_len) of 14 requests and 3 twins (the same
+    prompt, at the same step, the same answer: blocks of equal hashes filled side by side); some
+    share a prompt prefix."""
     rng = random.Random(seed)
     shared = [rng.randrange(1, 100) for _ in range(12)]
     found = []
@@ -37,6 +41,9 @@ def workload(seed: int) -> list[tuple[int, str, list[int], SamplingParams, int]]
         stops = i % 4 == 1  # this one stops at EOS; the others ignore it
         params = SamplingParams(max_tokens=rng.randrange(1, 40) if i % 4 != 2 else 30, ignore_eos=not stops)
         found.append((arrival, f"r{i}", prompt, params, 60 if i % 5 == 2 else 10_000))
+    for i in (0, 5, 10):
+        arrival, rid, prompt, params, max_len = found[i]
+        found.append((arrival, f"{rid} twin", prompt, params, max_len))
     return found
 
 
@@ -44,7 +51,7 @@ def run(seed: int, blocks: int, prefix_caching: bool, steady: bool) -> tuple[dic
     step = 0
     scheduler = Scheduler(BlockManager(blocks, 4, enable_prefix_caching=prefix_caching), 6, 24, True,
                           clock=lambda: float(step))
-    pending = sorted(workload(seed), key=lambda w: w[0])
+    pending = sorted(workload(seed), key=lambda w: w[0])  # (stable: a twin after its first)
     requests, runs = {}, 0
     while pending or scheduler.has_unfinished():
         while pending and pending[0][0] <= step:
@@ -73,7 +80,8 @@ def run(seed: int, blocks: int, prefix_caching: bool, steady: bool) -> tuple[dic
     manager = scheduler.block_manager
     seen = {rid: (r.token_ids, r.metrics.token_times, r.finish_reason, r.metrics.num_preemptions)
             for rid, r in requests.items()}
-    return seen, manager.num_free_blocks, set(manager.cached_blocks), runs
+    # The pool as it ends, block by block: which block caches which hash, the free list's order.
+    return seen, list(manager.free_blocks), dict(manager.cached_blocks), runs
 
 
 # (4, 24) and (10, 28): next turns wait for blocks while their history decodes and fills cached blocks.
@@ -85,7 +93,7 @@ def test_runs_of_steady_steps_equal_the_steps_one_by_one(seed, blocks, prefix_ca
     by_run, free_after_runs, cached_after_runs, runs = run(seed, blocks, prefix_caching, steady=True)
     assert runs > 0  # the fast path was taken
     assert by_run == by_step
-    assert (free_after_runs, cached_after_runs) == (free, cached)
+    assert (free_after_runs, cached_after_runs) == (free, cached)  # block for block
     assert {reason for _, _, reason, _ in by_step.values()} >= {"stop", "length"}
     if blocks <= 40:  # the small pools preempt
         assert any(preempted for _, _, _, preempted in by_step.values())

@@ -120,6 +120,20 @@ class Request:
         elif self.grammar is not None and self.grammar.done:  # complete: nothing but the end may follow
             self.status = RequestStatus.FINISHED_STOPPED
 
+    def append_tokens(self, token_ids: list[int], times: list[float]) -> None:
+        """Several sampled tokens at once (a steady decode run, Scheduler.advance_decode_steps): as
+        append_token for each, where only the last can end the request (the caller checked: no stop
+        string or grammar, no stop token before the last, no length limit before it)."""
+        *first, last = token_ids
+        if first:
+            self.token_ids.extend(first)
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = times[0]
+            self.metrics.token_times.extend(times[: len(first)])
+            for token_id in first:
+                self.detokenizer.add(token_id)
+        self.append_token(last, times[-1])
+
     def output(self, new_token_ids: list[int]) -> RequestOutput:
         """What the client sees of this request now."""
         finished = self.status.finished

@@ -275,21 +275,29 @@ class Scheduler:
             if req.params.stop or req.grammar is not None or not req.stop_token_ids.isdisjoint(
                     tokens[req.request_id][: k - 1]):
                 raise ValueError(f"request {req.request_id} may stop before step {k}: take single steps")
-        # Step by step in the order schedule() and update_from_output take them, so that blocks are
-        # handed out and filed in the prefix cache in the same order (two requests may fill blocks
-        # of the same hash: which one's is cached decides what a later eviction drops).
         manager, size = self.block_manager, self.block_manager.block_size
         reqs = [s.request for s in out.scheduled]
-        for j, now in enumerate(times):
-            for req in reqs if j else ():  # this step's blocks (the first step's are held)
-                if req.num_computed_tokens + 1 > len(req.block_tables[0]) * size and not manager.allocate(req, 1):
-                    raise RuntimeError(f"no block for step {j} of {req.request_id}: steady_decode_steps said they fit")
-            for req in reqs:
-                req.num_computed_tokens += 1
+        starts = [req.num_computed_tokens for req in reqs]
+        for req in reqs:  # the tokens first: filing a block hashes the tokens it holds
+            req.append_tokens(list(tokens[req.request_id][:k]), list(times))
+        # Blocks are taken and filed in the order step-by-step scheduling takes them (two requests
+        # may fill blocks of the same hash: which one's is cached decides what a later eviction
+        # drops): step j takes the blocks its tokens start (schedule), then files the blocks its
+        # tokens fill (update_from_output), request by request. Only those steps are visited.
+        events = []
+        for i, start in enumerate(starts):
+            events += [(j, 0, i) for j in range(-start % size, k, size) if j]  # position start + j opens a block
+            events += [(j, 1, i) for j in range(-(start + 1) % size, k, size)]  # position start + j fills one
+        for j, filing, i in sorted(events):
+            req = reqs[i]
+            req.num_computed_tokens = starts[i] + j + filing
+            if filing:
                 manager.cache_full_blocks(req)
-                req.append_token(tokens[req.request_id][j], now)
+            elif not manager.allocate(req, 1):
+                raise RuntimeError(f"no block for step {j} of {req.request_id}: steady_decode_steps said they fit")
         outputs = []
-        for req in reqs:
+        for req, start in zip(reqs, starts):
+            req.num_computed_tokens = start + k
             if req.status.finished:
                 self._finish(req)
             outputs.append(req.output(list(tokens[req.request_id][:k])))

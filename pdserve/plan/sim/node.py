@@ -223,7 +223,8 @@ class SimNode:
         if token != self.run_token:
             return  # this run was cut short; its new end is scheduled
         run, self.run = self.run, None
-        times = [run.start + run.elapsed(j + 1) for j in range(run.steps)]
+        start, a, g = run.start, run.first_step, run.growth
+        times = [start + j * a + g * j * (j - 1) / 2 for j in range(1, run.steps + 1)]  # DecodeRun.elapsed(j)
         outputs = self.scheduler.advance_decode_steps(
             run.out, {s.request.request_id: [0] * run.steps for s in run.out.scheduled}, times)
         for output in outputs:
