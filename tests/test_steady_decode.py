@@ -119,3 +119,12 @@ def test_a_run_is_refused_where_the_batch_would_change():
     outputs = scheduler.advance_decode_steps(out, {"a": [1, 2], "b": [1, 2], "c": [1, EOS]}, [1.0, 2.0])
     assert [(o.new_token_ids, o.finished) for o in outputs] == [([1, 2], False), ([1, 2], True), ([1, EOS], True)]
     assert scheduler.running == [a] and a.metrics.token_times == [0.0, 1.0, 2.0]
+
+
+def test_no_run_where_a_sliding_window_gives_blocks_back():
+    """A sliding group frees the blocks its window leaves, so a waiting request may fit mid-run."""
+    scheduler = Scheduler(BlockManager(64, 4, group_windows=(0, 8)), 8, 16, True, clock=lambda: 0.0)
+    scheduler.add(make_request([1, 2, 3], "a", max_tokens=10))
+    scheduler.update_from_output(scheduler.schedule(), {"a": 11})
+    out = scheduler.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [1] and scheduler.steady_decode_steps(out, 50) == 1

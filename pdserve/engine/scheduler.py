@@ -243,6 +243,8 @@ class Scheduler:
         if most <= 1 or out.preempted or len(out.scheduled) != len(running) or not all(
                 is_decode(s) for s in out.scheduled):
             return 1
+        if any(self.block_manager.group_windows):
+            return 1  # sliding groups give blocks back as their windows move: a waiting head may fit then
         # A waiting head that was not admitted stays out: the budget and the seats stay, free blocks
         # only shrink. A block a run fills may make it a longer prefix-cache hit, one block fewer to
         # take, but the request that filled it takes its next block in the same schedule(), before
@@ -251,7 +253,7 @@ class Scheduler:
                               for r in running])
         manager = self.block_manager
 
-        def blocks_for(k: int) -> int:  # new blocks for k steps (the first step's are held); sliding groups: at most
+        def blocks_for(k: int) -> int:  # new blocks for k steps (the first step's are held)
             return sum(max(0, manager.blocks_needed(r.num_computed_tokens + k) - len(table))
                        for r in running for table in r.block_tables)
 
