@@ -9,17 +9,16 @@ What it models, as pdserve does it:
   transfer follows the prefill), auto (the proxy's own Placer, pdserve/proxy/placement.py, run on
   the simulation's clock: per request, the decode node and whether it prefills locally or on a P
   that D then pulls from); nodes picked by round robin or least loaded (outstanding requests);
-- each node's scheduler, one step at a time, as pdserve's Scheduler runs it (a test checks the two
-  token for token, with and without prefix caching): running requests first, in the order they
-  were admitted, then waiting ones within the token budget (chunked prefill) and max_num_seqs; KV
+- each node: pdserve's own Scheduler and BlockManager (pdserve/engine/) on the simulation's clock,
+  the model runner replaced by the profile's costs: running requests first, in the order they were
+  admitted, then waiting ones within the token budget (chunked prefill) and max_num_seqs; KV
   blocks taken as tokens are computed; when a running request cannot get a block the newest one is
   preempted and later prefilled again with its output so far; a P node holds a prompt's blocks
   until its KV has left (pulled by D, or its last layer pushed); steps that only decode a batch
-  that does not change are one event (a decode run, ended early where blocks would run out), so
-  the cost of simulating grows with requests, not with tokens;
-- KV blocks and the prefix cache by the engine's own BlockManager (hash-chained full blocks, shared
-  while in use, evicted least recently freed first); the cache when the workload has conversations,
-  the setup is auto, or it is asked for;
+  that does not change are one event (the scheduler's steady decode runs, cut at the step in
+  progress when work arrives); the prefix cache (hash-chained full blocks, shared while in use,
+  evicted least recently freed first) when the workload has conversations, the setup is auto, or
+  it is asked for;
 - conversations (`--dataset multiturn`) as bench runs them: each turn sent after the previous
   answer and the user's think time, its prompt the history (earlier turns and seeded answers);
 - the step's time: the profile's decode-step fit for the decodes plus its prefill-chunk fit for
@@ -29,7 +28,7 @@ What it models, as pdserve does it:
   transfers: the profile's fit for the transport.
 
 Not modelled: D's blocks while a pull is in flight (the transfer is charged before D queues the
-request); the proxy's view of the caches lagging the nodes' events (the simulated index is exact);
+request, its prompt counted computed, so D shares no cached prefix blocks with it); the proxy's view of the caches lagging the nodes' events (the simulated index is exact);
 a bench client's retokenized answers, which may split the last block of an answer differently.
 
 It returns the fields `pdserve bench --out` writes (pdserve/workload.py: summarize), so a
