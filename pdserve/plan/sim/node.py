@@ -5,7 +5,7 @@ steady decode steps is one event (DecodeRun: Scheduler.steady_decode_steps / adv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
@@ -113,6 +113,7 @@ class SimNode:
     preemptions: int = 0
     cached: CachedHashes | None = field(init=False)  # the hashes its prefix cache holds (the proxy's index reads it)
     blocks: BlockManager = field(init=False)
+    holds: Holds = field(init=False)
     scheduler: Scheduler = field(init=False)
     jobs: dict[str, Job] = field(init=False, default_factory=dict)
 
@@ -145,7 +146,7 @@ class SimNode:
         """Tokens of job's prompt this node's prefix cache holds now (what D need not pull)."""
         if self.cached is None or not job.hashes:
             return 0
-        prefix = self.blocks.match_prefix(self._request(replace_context(job)))
+        prefix = self.blocks.match_prefix(self._request(replace(job, context=0)))  # as a fresh request sees it
         return len(prefix[0]) * self.batching.block_size if prefix else 0
 
     def submit(self, job: Job) -> None:
@@ -241,11 +242,6 @@ class SimNode:
                 job.on_done(now)
         self.busy = False
         self._maybe_step()
-
-
-def replace_context(job: Job) -> Job:
-    """job as a fresh request (no KV sent yet): what a prefix-cache lookup sees."""
-    return Job(job.request_id, job.prompt_tokens, 0, job.output_tokens, None, job.on_done, job.hold, job.hashes)
 
 
 class CachedHashes(set):
