@@ -32,6 +32,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = group_windows  # each KV group's window (0: full attention)
         self.num_reserved = NULL_BLOCKS if any(group_windows) else 0
+        self.one_full_group = tuple(group_windows) == (0,)  # allocate's fast path
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[tuple[int, int] | None] = [None] * num_blocks  # (group, hash)
         self.cached_blocks: dict[tuple[int, int], int] = {}  # (group, hash) -> block id
@@ -108,6 +109,14 @@ class BlockManager:
         so none of them attends and a sliding group needs only what the next token reads."""
         if not req.block_tables:
             req.block_tables = [[] for _ in self.group_windows]
+        if self.one_full_group and not prefix:  # the common case (every decode step): what the rest does, briefly
+            table = req.block_tables[0]
+            new = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+            if new > len(self.free_blocks):
+                return False
+            if new > 0:
+                table.extend(self._fresh_blocks(new))
+            return True
         hit = len(prefix[0]) if prefix else 0
         start = req.num_computed_tokens + hit * self.block_size
         end = start + num_new_tokens
@@ -133,22 +142,26 @@ class BlockManager:
                     self._take(b)
                 table.append(NULL_BLOCK if b is None else b)
             table.extend([NULL_BLOCK] * (firsts[g] - len(table)))
-            for _ in range(new[g]):
-                table.append(self._fresh_block())
+            table.extend(self._fresh_blocks(new[g]))
         req.num_computed_tokens += hit * self.block_size
         req.num_published_blocks += hit
         return True
 
-    def _fresh_block(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)
-        key = self.block_hash[block]
-        if key is not None:  # evict its cached contents
-            self.cached_blocks.pop(key, None)
-            if self.events is not None and key[0] == 0:
-                self.events.removed(key[1])
-            self.block_hash[block] = None
-        self._take(block)
-        return block
+    def _fresh_blocks(self, n: int) -> list[int]:
+        """n blocks off the free list (least recently freed first), their cached contents evicted."""
+        free, refs, hashes = self.free_blocks, self.ref_counts, self.block_hash
+        blocks = []
+        for _ in range(n):
+            block, _ = free.popitem(last=False)
+            key = hashes[block]
+            if key is not None:  # evict its cached contents
+                self.cached_blocks.pop(key, None)
+                if self.events is not None and key[0] == 0:
+                    self.events.removed(key[1])
+                hashes[block] = None
+            refs[block] = 1  # a free block has no references
+            blocks.append(block)
+        return blocks
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -185,9 +198,12 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         # Tail blocks go back first, so they are also evicted first: prefixes live longest.
+        refs, free = self.ref_counts, self.free_blocks
         for table in req.block_tables:
             for block in reversed(table):
-                if self._real(block):
-                    self._release(block)
+                if block != NULL_BLOCK or not self.num_reserved:  # _real, inline: every block of a request passes here
+                    refs[block] -= 1
+                    if not refs[block]:
+                        free[block] = None
         req.block_tables = []
         req.num_published_blocks = 0

@@ -25,15 +25,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 class Request:

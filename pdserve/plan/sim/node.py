@@ -4,6 +4,7 @@ steady decode steps is one event (DecodeRun: Scheduler.steady_decode_steps / adv
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -36,6 +37,12 @@ class Job:
     on_done: Callable[[float], None]
     hold: bool = False  # P: keep the KV blocks after the last token until the proxy releases them
     hashes: list[int] | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _params(max_tokens: int) -> SamplingParams:
+    """A simulated request's sampling parameters (shared: a Request only reads them)."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 class _NoText:
@@ -131,9 +138,8 @@ class SimNode:
 
     def _request(self, job: Job) -> Request:
         """The engine's Request for a job: placeholder token ids, its hashes standing for them."""
-        req = Request(str(job.request_id), [0] * job.prompt_tokens,
-                      SamplingParams(max_tokens=job.output_tokens, ignore_eos=True), _NoText(), (), NEVER, None,
-                      arrival_time=self.sim.now)
+        req = Request(str(job.request_id), [0] * job.prompt_tokens, _params(job.output_tokens), _NoText(), (), NEVER,
+                      None, arrival_time=self.sim.now)
         if job.hashes is not None and self.cached is not None:
             # Blocks of output nobody asks for again hold tokens the simulator never draws: a
             # stand-in hash each, matching nothing (the engine would file real ones).
@@ -226,8 +232,9 @@ class SimNode:
         run, self.run = self.run, None
         start, a, g = run.start, run.first_step, run.growth
         times = [start + j * a + g * j * (j - 1) / 2 for j in range(1, run.steps + 1)]  # DecodeRun.elapsed(j)
-        outputs = self.scheduler.advance_decode_steps(
-            run.out, {s.request.request_id: [0] * run.steps for s in run.out.scheduled}, times)
+        zeros = [0] * run.steps  # every request's tokens (read, not kept)
+        outputs = self.scheduler.advance_decode_steps(run.out, {s.request.request_id: zeros for s in run.out.scheduled},
+                                                      times)
         for output in outputs:
             job = self.jobs[output.request_id]
             if job.tokens is not None:
