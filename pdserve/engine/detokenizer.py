@@ -26,6 +26,10 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
 
+    def extend(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            self.add(token_id)
+
     def truncate_at_stop(self, stops: list[str]) -> bool:
         """Cut the text before the first stop string it contains; True if one was found."""
         found = [i for i in (self.text.find(s) for s in stops) if i >= 0]

@@ -124,15 +124,14 @@ class Request:
         """Several sampled tokens at once (a steady decode run, Scheduler.advance_decode_steps): as
         append_token for each, where only the last can end the request (the caller checked: no stop
         string or grammar, no stop token before the last, no length limit before it)."""
-        *first, last = token_ids
-        if first:
+        if len(token_ids) > 1:
+            first = token_ids[:-1]
             self.token_ids.extend(first)
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = times[0]
-            self.metrics.token_times.extend(times[: len(first)])
-            for token_id in first:
-                self.detokenizer.add(token_id)
-        self.append_token(last, times[-1])
+            self.metrics.token_times.extend(times[:-1])
+            self.detokenizer.extend(first)
+        self.append_token(token_ids[-1], times[-1])
 
     def output(self, new_token_ids: list[int]) -> RequestOutput:
         """What the client sees of this request now."""

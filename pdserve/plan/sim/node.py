@@ -53,6 +53,9 @@ class _NoText:
     def add(self, token_id: int) -> None:
         pass
 
+    def extend(self, token_ids: list[int]) -> None:
+        pass
+
     def take_delta(self, max_stop_len: int, finished: bool) -> str:
         return ""
 
@@ -231,7 +234,8 @@ class SimNode:
             return  # this run was cut short; its new end is scheduled
         run, self.run = self.run, None
         start, a, g = run.start, run.first_step, run.growth
-        times = [start + j * a + g * j * (j - 1) / 2 for j in range(1, run.steps + 1)]  # DecodeRun.elapsed(j)
+        half = g / 2
+        times = [start + j * (a + half * (j - 1)) for j in range(1, run.steps + 1)]  # DecodeRun.elapsed(j)
         zeros = [0] * run.steps  # every request's tokens (read, not kept)
         outputs = self.scheduler.advance_decode_steps(run.out, {s.request.request_id: zeros for s in run.out.scheduled},
                                                       times)
