@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.detokenizer import NoText
 from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
-
-
-class _NoDetok:
-    """Token ids only: the scheduler's tests read no text."""
-
-    text = ""
-
-    def add(self, token_id):
-        pass
-
-    def take_delta(self, max_stop_len, finished):
-        return ""
 
 
 def make_request(tokens: list[int], rid: str = "r", max_tokens: int = 4, params: SamplingParams | None = None,
@@ -25,7 +14,7 @@ def make_request(tokens: list[int], rid: str = "r", max_tokens: int = 4, params:
     """A request for the scheduler, block manager or sampler alone: no detokenizer; no stop token
     unless `eos_token_ids` (with `params` that do not ignore EOS)."""
     params = params or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, tokens, params, _NoDetok(), eos_token_ids, 10_000, None)
+    return Request(rid, tokens, params, NoText(), eos_token_ids, 10_000, None)
 
 
 @torch.inference_mode()

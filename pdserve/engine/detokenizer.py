@@ -46,3 +46,19 @@ class IncrementalDetokenizer:
         delta = self.text[self._sent : end]
         self._sent = end
         return delta
+
+
+class NoText:
+    """A detokenizer for token ids that stand for no text: the simulator's placeholder tokens, and
+    tests of the scheduler alone."""
+
+    text = ""
+
+    def add(self, token_id: int) -> None:
+        pass
+
+    def extend(self, token_ids: list[int]) -> None:
+        pass
+
+    def take_delta(self, holdback: int, finished: bool) -> str:
+        return ""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.detokenizer import NoText
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
@@ -43,21 +44,6 @@ class Job:
 def _params(max_tokens: int) -> SamplingParams:
     """A simulated request's sampling parameters (shared: a Request only reads them)."""
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-
-class _NoText:
-    """The engine's detokenizer, for token ids that stand for nothing."""
-
-    text = ""
-
-    def add(self, token_id: int) -> None:
-        pass
-
-    def extend(self, token_ids: list[int]) -> None:
-        pass
-
-    def take_delta(self, max_stop_len: int, finished: bool) -> str:
-        return ""
 
 
 class Holds:
@@ -141,7 +127,7 @@ class SimNode:
 
     def _request(self, job: Job) -> Request:
         """The engine's Request for a job: placeholder token ids, its hashes standing for them."""
-        req = Request(str(job.request_id), [0] * job.prompt_tokens, _params(job.output_tokens), _NoText(), (), NEVER,
+        req = Request(str(job.request_id), [0] * job.prompt_tokens, _params(job.output_tokens), NoText(), (), NEVER,
                       None, arrival_time=self.sim.now)
         if job.hashes is not None and self.cached is not None:
             # Blocks of output nobody asks for again hold tokens the simulator never draws: a
