@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
     simulate.add_argument("--setup", required=True,
                           help="colocated:N | pull:xPyD | push:xPyD | auto:N | auto:xPyD (auto: per-request placement)")
-    simulate.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    simulate.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     simulate.add_argument("--kv-transport", default="shm", choices=list(TRANSPORTS))
     simulate.add_argument("--max-num-batched-tokens", type=int, default=None,
                           help="every node's token budget per step (default: the profiled node's)")

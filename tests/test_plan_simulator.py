@@ -59,11 +59,11 @@ def test_one_request_colocated_costs_its_prefill_chunks_then_its_decode_steps():
 def test_pull_adds_the_transfer_and_the_decode_nodes_recompute_of_the_last_token():
     colocated = run("colocated:1", [BenchRequest([0], 100, 2)])
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)])
-    transfer = 0.002 + 100 * KV_BYTES * 1e-9
+    transfer = 0.002 + 99 * KV_BYTES * 1e-9  # D's connector loads all but the last prompt token
     recompute = 0.010 + 0.001  # a one-token prefill chunk on D
     assert pull["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + transfer + recompute)
     push = run("push:1P1D", [BenchRequest([0], 100, 2)])  # only the last of 10 layers follows the prefill
-    assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + 10 * KV_BYTES * 1e-9 + recompute)
+    assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + int(9.9 * KV_BYTES) * 1e-9 + recompute)
 
 
 def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
@@ -72,12 +72,14 @@ def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
     colocated = run("colocated:1", [BenchRequest([0], 100, 3)], profile=profile)
     assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002 + 0.030)
     assert colocated["itls"][0] == pytest.approx([0.020 + 0.002 + 0.005 + 101e-5, 0.020 + 0.002 + 0.005 + 102e-5])
-    pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's after the transfer
-    transfer = 0.002 + 100 * KV_BYTES * 1e-9
+    pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's, then the pull
+    transfer = 0.002 + 99 * KV_BYTES * 1e-9
     assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + (0.011 + 0.002) + 0.030)
-    push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # D's hop overlaps P's prefill
-    last_layer = 0.002 + 10 * KV_BYTES * 1e-9
-    assert push["ttfts"][0] == pytest.approx(0.050 + (0.110 + 0.002) + last_layer + (0.011 + 0.002) + 0.030)
+    # Push: D's hop; D reserves its blocks and announces them (a hop to the proxy); P's hop; P's
+    # prefill, of which only the last layer's transfer follows.
+    push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
+    last_layer = 0.002 + int(9.9 * KV_BYTES) * 1e-9
+    assert push["ttfts"][0] == pytest.approx(3 * 0.050 + (0.110 + 0.002) + last_layer + (0.011 + 0.002) + 0.030)
 
 
 def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
@@ -87,8 +89,8 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     node = SimNode(sim, "N", Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000))
     blocks = node.free_blocks
     a, b = Tracker(BenchRequest([0], 100, 50), 0.0), Tracker(BenchRequest([0], 100, 5), 0.5)
-    sim.at(0.0, lambda: node.submit(Job(0, 100, 0, 50, a, lambda t: None)))
-    sim.at(0.5, lambda: node.submit(Job(1, 100, 0, 5, b, lambda t: None)))
+    sim.at(0.0, lambda: node.submit(Job(0, 100, 50, a, lambda t: None)))
+    sim.at(0.5, lambda: node.submit(Job(1, 100, 5, b, lambda t: None)))
     sim.run()
     t, kv, expected = 0.110, 101, []  # step by step: A's prefill, then decode steps that start before 0.5
     while t < 0.5:
@@ -110,8 +112,8 @@ def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():
     sim = Simulation(known_profile())
     node = SimNode(sim, "N", Batching(budget=512, chunked=True, max_seqs=64, capacity=64, block_size=16))
     a, b = Tracker(BenchRequest([0], 16, 20), 0.0), Tracker(BenchRequest([0], 16, 20), 0.0)
-    sim.at(0.0, lambda: node.submit(Job(0, 16, 0, 20, a, lambda t: None)))
-    sim.at(0.0, lambda: node.submit(Job(1, 16, 0, 20, b, lambda t: None)))
+    sim.at(0.0, lambda: node.submit(Job(0, 16, 20, a, lambda t: None)))
+    sim.at(0.0, lambda: node.submit(Job(1, 16, 20, b, lambda t: None)))
     sim.run()
     assert node.preemptions == 1 and node.free_blocks == 4
     assert a.result().output_len == b.result().output_len == 20
@@ -177,7 +179,7 @@ def simulated_token_steps(requests: list[tuple[int, int]], blocks: int, budget: 
     node.busy = True  # all of them arrive before the first step, as in engine_token_steps
     for i, ((prompt, output), tracker) in enumerate(zip(requests, trackers)):
         hashes = block_hashes(list(range(prompt)) + [1] * output, 4)  # engine_token_steps samples token 1
-        node.submit(Job(i, prompt, 0, output, tracker, lambda t: None, hashes=hashes))
+        node.submit(Job(i, prompt, output, tracker, lambda t: None, hashes=hashes))
     node.busy = False
     node._maybe_step()
     sim.run()
@@ -211,7 +213,7 @@ def test_a_prefill_node_holds_the_kv_until_it_is_pulled():
     to be pulled, not for its prefill to end."""
     profile = known_profile(capacity=112)
     summary = run("pull:1P1D", [BenchRequest([0], 100, 2), BenchRequest([0], 100, 2)], profile=profile)
-    prefill, transfer, recompute = 0.110, 0.002 + 100 * KV_BYTES * 1e-9, 0.011
+    prefill, transfer, recompute = 0.110, 0.002 + 99 * KV_BYTES * 1e-9, 0.011
     assert summary["ttfts"][0] == pytest.approx(prefill + transfer + recompute)
     assert summary["ttfts"][1] == pytest.approx(2 * (prefill + transfer) + recompute)
     assert summary["preemptions"] == 0  # P's second prompt waited; nothing was evicted
@@ -311,3 +313,42 @@ def test_auto_prefills_a_long_prompt_on_p_when_d_is_decoding():
     requests = [BenchRequest(list(range(1000, 1100)), 100, 400), BenchRequest(list(range(2000, 4000)), 2000, 4)]
     summary = run("auto:1P1D", requests, rate=2.0)
     assert summary["placement_counts"] == {"local": 1, "remote": 1} and summary["completed"] == 2
+
+
+def slow_transfer_profile(capacity: int = 100_000) -> Profile:
+    """known_profile with a transfer of 1 ms per token (2 ms + 1 us per byte): what moves shows."""
+    profile = known_profile(capacity)
+    profile.transfer = {"shm": replace(profile.transfer["shm"], coefficients=[0.002, 1e-6])}
+    return profile
+
+
+def test_a_decode_node_pulls_only_what_its_own_cache_lacks():
+    """pull:1P1D, two turns (40 tokens, then 52). Turn 1: P computes 40 tokens (50 ms), D's connector
+    loads 39 (41 ms) and D computes the last (11 ms). Both nodes keep turn 1's two full blocks.
+    Turn 2: P computes 20 tokens (30 ms); D matches those 32 tokens in its own cache and loads only
+    19 (21 ms), as the engine's scheduler and connector do; without D's cache it would load 51."""
+    summary = run("pull:1P1D", conversation(2), profile=slow_transfer_profile(), prefix_caching=True)
+    assert summary["ttfts"] == pytest.approx([0.050 + 0.041 + 0.011, 0.030 + 0.021 + 0.011])
+
+
+def test_push_reserves_decode_blocks_before_the_prefill_starts():
+    """push:1P1D, D's pool holding one request (7 blocks): D reserves the first request's blocks,
+    so the second is not even sent to P until the first has finished on D and freed them (pull
+    would prefill it on P meanwhile). Each: P's prefill (110 ms), its last layer (2 ms + 9.9 us),
+    D's last prompt token (11 ms)."""
+    profile = known_profile()
+    profile.meta["node"] = {**profile.meta["node"], "kv_capacity_tokens": 112}
+    summary = run("push:1P1D", [BenchRequest([0], 100, 5), BenchRequest([0], 100, 5)], profile=profile)
+    first = 0.110 + 0.002 + 9_900e-9 + 0.011
+    assert summary["ttfts"][0] == pytest.approx(first)
+    assert summary["ttfts"][1] == pytest.approx(summary["e2els"][0] + first)
+
+
+def test_least_loaded_counts_in_flight_tokens_as_the_proxy_does():
+    """The proxy's own LeastLoaded policy: a 1000-token prompt on N0, then two short ones. The
+    third goes to N1 too (fewer in-flight tokens, though each node has one request), so it does not
+    wait behind the long prefill; round robin sends it to N0."""
+    requests = [BenchRequest([0], 1000, 4), BenchRequest([0], 10, 4), BenchRequest([0], 10, 4)]
+    least = run("colocated:2", requests, policy="least_loaded")
+    rr = run("colocated:2", requests)
+    assert least["ttfts"][2] < 0.1 and rr["ttfts"][2] > 1.0

@@ -79,6 +79,13 @@ class ExpectSpec:
     metaserver: str
     proxy_request_id: str
 
+    def announcement(self, advertised: dict[str, Any]) -> KVTransferParams:
+        """What D tells the proxy's meta endpoint: its request, the blocks to push into, and where
+        its side channel is (`advertised`); P's instructions are made from it (push_prefill)."""
+        return KVTransferParams(proxy_request_id=self.proxy_request_id, remote_request_id=self.request_id,
+                                remote_block_ids=join_tables(self.block_ids), remote_first_block=self.first_block,
+                                **advertised)
+
 
 @dataclass
 class ConnectorMetadata:
@@ -297,9 +304,7 @@ class KVConnectorWorker:
 
     def _announce(self, spec: ExpectSpec, advertised: dict[str, Any]) -> None:
         """Tell the proxy's meta endpoint where P should push (D's request, blocks, address)."""
-        body = KVTransferParams(proxy_request_id=spec.proxy_request_id, remote_request_id=spec.request_id,
-                                remote_block_ids=join_tables(spec.block_ids), remote_first_block=spec.first_block,
-                                **advertised)
+        body = spec.announcement(advertised)
         try:
             response = self._http.post(spec.metaserver, json=body.to_wire())
             response.raise_for_status()

@@ -41,8 +41,8 @@ from pdserve.plan.sim.driver import prompts_of, simulate
 from pdserve.plan.sim.events import Costs, Simulation
 from pdserve.plan.sim.node import DecodeRun, Job, SimNode
 from pdserve.plan.sim.proxy import Prompt, SimIndex, SimProxy
-from pdserve.plan.sim.setup import MODES, POLICIES, Batching, Setup
+from pdserve.plan.sim.setup import MODES, Batching, Setup
 from pdserve.plan.sim.tracker import Tracker
 
-__all__ = ["MODES", "POLICIES", "Batching", "Costs", "DecodeRun", "Job", "Prompt", "Setup", "SimIndex",
+__all__ = ["MODES", "Batching", "Costs", "DecodeRun", "Job", "Prompt", "Setup", "SimIndex",
            "SimNode", "SimProxy", "Simulation", "Tracker", "prompts_of", "simulate"]

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import NoText
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request
+from pdserve.config import KVTransferConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
-from pdserve.kv.connector import FinishedTransfers
+from pdserve.kv.connector import ConnectorMetadata, FinishedTransfers, KVConnectorScheduler
+from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.inbox import TransferResult
+from pdserve.kv.params import KVTransferParams
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.setup import Batching
 from pdserve.plan.sim.tracker import Tracker
@@ -25,19 +29,23 @@ NEVER = 1 << 62  # a simulated request's max_model_len: the pool (checked on sub
 
 @dataclass
 class Job:
-    """A request's work on one node: `prompt_tokens`, of which `context` arrive computed (KV from
-    P), then `output_tokens` tokens, the first sampled by the step that computes the last prompt
-    token. `hashes`: with prefix caching, its full blocks' hashes (prompt, then output tokens),
-    which stand for its tokens (the simulator draws none)."""
+    """A request's work on one node: `prompt_tokens`, then `output_tokens` tokens, the first
+    sampled by the step that computes the last prompt token. `kv_params`: the kv_transfer_params
+    the proxy tags it with (P: keep or push the KV; D: it comes from P; the node's connector
+    reserves blocks for it, and `on_reserved` tells the proxy). `hashes`: with prefix caching, its
+    full blocks' hashes (prompt, then output tokens), which stand for its tokens (the simulator
+    draws none)."""
 
     request_id: int
     prompt_tokens: int
-    context: int
     output_tokens: int
     tokens: Tracker | None  # where the tokens go (None: a prefill node's token, which the client never sees)
     on_done: Callable[[float], None]
-    hold: bool = False  # P: keep the KV blocks after the last token until the proxy releases them
     hashes: list[int] | None = None
+    kv_params: KVTransferParams | None = None
+    # D: blocks are reserved for this many tokens from P (push: and D's announcement for the proxy).
+    on_reserved: Callable[[int, KVTransferParams | None], None] | None = None
+    answer_params: KVTransferParams | None = None  # P, pull: where its KV is held (the proxy forwards it to D)
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,21 +54,13 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
-class Holds:
-    """The KV connector's scheduler side as far as a P node's scheduler asks it: a finished request
-    whose KV a D will take keeps its blocks (Scheduler.held) until the proxy says it has left."""
-
-    def __init__(self) -> None:
-        self.held: set[str] = set()
-
-    def request_finished(self, req: Request) -> tuple[bool, None]:
-        return req.request_id in self.held, None
-
-    def request_aborted(self, req: Request) -> None:
-        pass
-
-    def has_pending(self) -> bool:
-        return False
+def connector_for(role: str, name: str, block_size: int) -> KVConnectorScheduler | None:
+    """The engine's KV connector, scheduler side, for a node of `role` (None when colocated): P
+    holds a pulled prompt's blocks, D reserves blocks for remote KV. Holds never time out here:
+    the proxy releases each when its modelled transfer ends."""
+    if role == "both":
+        return None
+    return KVConnectorScheduler(KVTransferConfig(role=role), block_size, HeldBlocks(math.inf), name)
 
 
 @dataclass
@@ -102,14 +102,14 @@ class SimNode:
     name: str
     batching: Batching
     prefix_caching: bool = False
+    role: str = "both"  # both (colocated) | prefill | decode
     busy: bool = False
-    outstanding: int = 0  # requests given to this node and not finished here (least_loaded reads it)
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
     preemptions: int = 0
     cached: CachedHashes | None = field(init=False)  # the hashes its prefix cache holds (the proxy's index reads it)
     blocks: BlockManager = field(init=False)
-    holds: Holds = field(init=False)
+    connector: KVConnectorScheduler | None = field(init=False)
     scheduler: Scheduler = field(init=False)
     jobs: dict[str, Job] = field(init=False, default_factory=dict)
 
@@ -117,9 +117,9 @@ class SimNode:
         limits = self.batching
         self.cached = CachedHashes() if self.prefix_caching else None
         self.blocks = BlockManager(limits.num_blocks, limits.block_size, self.prefix_caching, events=self.cached)
-        self.holds = Holds()
-        self.scheduler = Scheduler(self.blocks, limits.max_seqs, limits.budget, limits.chunked, connector=self.holds,
-                                   clock=lambda: self.sim.now)
+        self.connector = connector_for(self.role, self.name, limits.block_size)
+        self.scheduler = Scheduler(self.blocks, limits.max_seqs, limits.budget, limits.chunked,
+                                   connector=self.connector, clock=lambda: self.sim.now)
 
     @property
     def free_blocks(self) -> int:
@@ -128,40 +128,39 @@ class SimNode:
     def _request(self, job: Job) -> Request:
         """The engine's Request for a job: placeholder token ids, its hashes standing for them."""
         req = Request(str(job.request_id), [0] * job.prompt_tokens, _params(job.output_tokens), NoText(), (), NEVER,
-                      None, arrival_time=self.sim.now)
+                      None, job.kv_params, arrival_time=self.sim.now)
         if job.hashes is not None and self.cached is not None:
             # Blocks of output nobody asks for again hold tokens the simulator never draws: a
             # stand-in hash each, matching nothing (the engine would file real ones).
             full = (job.prompt_tokens + job.output_tokens) // self.batching.block_size
             req.block_hashes = job.hashes + [("unseen", job.request_id, i) for i in range(len(job.hashes), full)]
-        req.num_computed_tokens = job.context  # P sent them (it never shares D's cached blocks here)
         return req
-
-    def cached_tokens(self, job: Job) -> int:
-        """Tokens of job's prompt this node's prefix cache holds now (what D need not pull)."""
-        if self.cached is None or not job.hashes:
-            return 0
-        prefix = self.blocks.match_prefix(self._request(replace(job, context=0)))  # as a fresh request sees it
-        return len(prefix[0]) * self.batching.block_size if prefix else 0
 
     def submit(self, job: Job) -> None:
         if self.batching.blocks_for(job.prompt_tokens + job.output_tokens) > self.batching.num_blocks:
             return  # larger than the whole pool: the engine refuses it (max_model_len <= the pool)
         req = self._request(job)
         self.jobs[req.request_id] = job
-        if job.hold:
-            self.holds.held.add(req.request_id)
         self.scheduler.add(req)
-        self.outstanding += 1
-        if self.run is not None:
-            self._cut_run()
-        self._maybe_step()
+        self._news()
+
+    def kv_arrived(self, job: Job) -> None:
+        """D: the KV the connector reserved blocks for has arrived (pulled, or its last layer pushed)."""
+        result = TransferResult(str(job.request_id), None, "push" if job.kv_params.is_push else "pull")
+        self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
+        self._news()
 
     def release(self, job: Job) -> None:
-        """The proxy's word that a held job's KV has left (pulled by D, or pushed)."""
-        rid = str(job.request_id)
-        self.holds.held.discard(rid)
-        self.scheduler.update_kv_transfers(FinishedTransfers(sent=[(rid, False)]))
+        """P: D has pulled a held prompt's KV, so its blocks are freed (as the connector's worker
+        reports a finished send)."""
+        self.connector.held.release(str(job.request_id))
+        self.scheduler.update_kv_transfers(FinishedTransfers(sent=self.connector.held.pop_releasable()))
+        self._news()
+
+    def _news(self) -> None:
+        """Work arrived: the scheduler sees it at the next step boundary, as the engine's loop would."""
+        if self.run is not None:
+            self._cut_run()
         self._maybe_step()
 
     def _cut_run(self) -> None:
@@ -183,6 +182,8 @@ class SimNode:
         while not out.scheduled and out.preempted:  # the engine's next loop turn admits what was freed
             out = self.scheduler.schedule()
             self.preemptions += len(out.preempted)
+        if self.connector is not None:
+            self._reserved(self.connector.build_connector_meta())
         if not out.scheduled:
             return  # the head of the queue waits for KV to be freed
         costs = self.sim.costs
@@ -205,6 +206,18 @@ class SimNode:
         self.run_token += 1
         token = self.run_token
         self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
+
+    def _reserved(self, meta: ConnectorMetadata) -> None:
+        """D: the connector reserved blocks this step for pulls (meta.loads) and pushes (meta.expects);
+        their jobs tell the proxy, which models the transfer and calls kv_arrived."""
+        for spec in meta.loads:
+            self._report_reserved(spec.request_id, None)
+        for spec in meta.expects:
+            self._report_reserved(spec.request_id, spec.announcement({}))
+
+    def _report_reserved(self, request_id: str, announcement: KVTransferParams | None) -> None:
+        job = self.jobs[request_id]
+        job.on_reserved(self.scheduler.loading[request_id].kv_external_tokens, announcement)
 
     def _finish_step(self, out: SchedulerOutput) -> None:
         now = self.sim.now
@@ -235,7 +248,7 @@ class SimNode:
         for output in outputs:
             if output.finished:
                 job = self.jobs.pop(output.request_id)
-                self.outstanding -= 1
+                job.answer_params = output.kv_transfer_params
                 job.on_done(now)
         self.busy = False
         self._maybe_step()

@@ -3,17 +3,17 @@ policies over simulated nodes."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.node import Job, SimNode
-from pdserve.plan.sim.setup import POLICIES, Batching, Setup
+from pdserve.plan.sim.setup import Batching, Setup
 from pdserve.plan.sim.tracker import Tracker
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.placement import Placer
-from pdserve.proxy.policies import Node
+from pdserve.kv.params import KVTransferParams
+from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
 from pdserve.proxy.prefix_index import NodeCache
 from pdserve.workload import BenchRequest
 
@@ -40,6 +40,10 @@ class SimIndex:
 
 
 class SimProxy:
+    """The proxy's flows over simulated nodes, with its own policy objects and Node records
+    (pdserve/proxy/policies.py): each node's in-flight requests and tokens counted from when the
+    proxy asks it to when it answers, its KV usage read live (a real proxy scrapes /metrics)."""
+
     def __init__(self, sim: Simulation, setup: Setup, policy: str, transport: str, batching: Batching,
                  prefix_caching: bool = False, placement: str = "cost", slos: dict[str, float] | None = None) -> None:
         if policy not in POLICIES:
@@ -47,98 +51,129 @@ class SimProxy:
         node = sim.profile.meta["node"]
         if transport not in sim.profile.transfer:
             raise ValueError(f"--kv-transport {transport!r}: the profile measured {sorted(sim.profile.transfer)}")
-        self.sim, self.setup, self.policy, self.transport = sim, setup, policy, transport
+        self.sim, self.setup, self.transport = sim, setup, transport
         self.kv_bytes_per_token, self.num_layers = node["kv_bytes_per_token"], node["num_layers"]
         fit = dict(zip(sim.profile.transfer[transport].features, sim.profile.transfer[transport].coefficients))
         self._transfer_latency, self._transfer_per_byte = fit["one"], fit["bytes"]  # the hot path's copy of the fit
 
-        self.prefillers = [SimNode(sim, f"P{i}", batching, prefix_caching=prefix_caching)
-                           for i in range(setup.prefill)]
-        self.decoders = [SimNode(sim, f"D{i}" if setup.prefill else f"N{i}", batching, prefix_caching=prefix_caching)
+        d_role = "decode" if setup.prefill else "both"
+        self.prefillers = [SimNode(sim, f"P{i}", batching, prefix_caching, "prefill") for i in range(setup.prefill)]
+        self.decoders = [SimNode(sim, f"D{i}" if setup.prefill else f"N{i}", batching, prefix_caching, d_role)
                          for i in range(setup.decode)]
-        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.members = {n.name: n for n in self.prefillers + self.decoders}
+        self.p_nodes = [Node(n.name, "prefill") for n in self.prefillers]
+        self.d_nodes = [Node(n.name, d_role) for n in self.decoders]
+        self.prefill_policy, self.decode_policy = POLICIES.get(policy)(), POLICIES.get(policy)()
         if setup.mode == "auto":  # the proxy's own Placer, on the simulation's clock and nodes
-            self.members = {n.name: n for n in self.prefillers + self.decoders}
-            self.p_nodes = [Node(n.name, "prefill") for n in self.prefillers]
-            self.d_nodes = [Node(n.name, "decode" if setup.prefill else "both") for n in self.decoders]
             costs = replace(CostModel.of(asdict(sim.profile)), chunk_size=batching.budget)
             self.placer = Placer(costs, SimIndex(self.members, batching.block_size), placement, transport=transport,
                                  slos=slos, clock=lambda: sim.now)
             self.placements = {"local": 0, "remote": 0}
 
-    def _pick(self, nodes: list[SimNode], kind: str) -> SimNode:
-        if self.policy == "least_loaded":
-            return min(nodes, key=lambda n: (n.outstanding, nodes.index(n)))
-        return nodes[next(self._turns[kind]) % len(nodes)]
+    def _read_kv_usage(self) -> None:
+        """What the proxy reads from each node's /metrics (here: live)."""
+        for n in self.p_nodes + self.d_nodes:
+            sim_node = self.members[n.url]
+            n.kv_usage = 1.0 - sim_node.free_blocks / sim_node.batching.num_blocks
+
+    def _select(self, role: str, tokens: int) -> Node:
+        self._read_kv_usage()
+        if role == "prefill":
+            return select_prefiller(self.p_nodes, self.prefill_policy, tokens)
+        return select_decoder(self.d_nodes, self.decode_policy, tokens)
+
+    def _ask(self, node: Node, job: Job, load: int) -> None:
+        """The proxy sends `job` to `node` (one HTTP hop); the node counts as loaded until it answers."""
+        node.begin(load)
+        done = job.on_done
+
+        def answered(t: float) -> None:
+            node.end(load)
+            done(t)
+
+        job.on_done = answered
+        sim_node = self.members[node.url]
+        self.sim.at(self.sim.now + self.sim.costs.request_hop, lambda: sim_node.submit(job))
 
     def arrive(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt,
                on_done: Callable[[float], None]) -> None:
-        """Route one request; each HTTP hop to a node costs the profile's serving request_s.
-        `on_done(t)`: its last token left the decode node at t."""
-        hop, now = self.sim.costs.request_hop, self.sim.now
+        """Route one request as the proxy's flow for the setup's mode does (pdserve/proxy/flows/);
+        each HTTP hop to a node costs the profile's serving request_s. `on_done(t)`: its last
+        token left the decode node at t."""
+        load = req.input_len + req.output_len
         if self.setup.mode == "auto":
-            self._place(rid, req, tracker, prompt, on_done)
+            self._place(rid, req, tracker, prompt, load, on_done)
         elif self.setup.mode == "colocated":
-            node = self._pick(self.decoders, "decode")
-            job = Job(rid, req.input_len, 0, req.output_len, tracker, on_done, hashes=prompt.hashes)
-            self.sim.at(now + hop, lambda: node.submit(job))
+            self._ask(self._select("decode", load), self._answer_job(rid, req, tracker, prompt, on_done), load)
         elif self.setup.mode == "pull":
-            self._pull(rid, req, tracker, prompt, self._pick(self.prefillers, "prefill"), None, on_done)
-        else:  # push: D had the request first; only the last layer's bytes follow the prefill
-            decoder = self._pick(self.decoders, "decode")
-            decoder_job = Job(rid, req.input_len, req.input_len - 1, req.output_len, tracker, on_done,
-                              hashes=prompt.hashes)
-            nbytes = req.input_len * self.kv_bytes_per_token
+            self._pull(rid, req, tracker, prompt, self._select("prefill", load), None, load, on_done)
+        else:
+            self._push(rid, req, tracker, prompt, load, on_done)
 
-            def pushed(t: float) -> None:
-                self.sim.at(t + self.profile_transfer(nbytes / self.num_layers),
-                            lambda: (prefiller.release(prefill_job), decoder.submit(decoder_job)))
+    @staticmethod
+    def _answer_job(rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, on_done: Callable[[float], None],
+                    kv_params: KVTransferParams | None = None) -> Job:
+        """The request as the node that answers the client gets it."""
+        return Job(rid, req.input_len, req.output_len, tracker, on_done, prompt.hashes, kv_params)
 
-            prefiller = self._pick(self.prefillers, "prefill")
-            prefill_job = Job(rid, req.input_len, 0, 1, None, pushed, hold=True, hashes=prompt.hashes)
-            self.sim.at(now + hop, lambda: prefiller.submit(prefill_job))
-
-    def _pull(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, prefiller: SimNode,
-              decoder: SimNode | None, on_done: Callable[[float], None],
-              on_prefilled: Callable[[], None] = lambda: None) -> None:
-        """P prefills and holds the KV; when P answers, the proxy sends the request to D (picked
-        then, unless given), which pulls what its own cache lacks; P frees the KV once pulled."""
-        hop, n = self.sim.costs.request_hop, req.input_len
-        decoder_job = Job(rid, n, n - 1, req.output_len, tracker, on_done, hashes=prompt.hashes)
+    def _pull(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, prefiller: Node,
+              decoder: Node | None, load: int, on_done: Callable[[float], None]) -> None:
+        """PullFlow: P prefills and holds the KV; with P's answer the proxy sends the request to D
+        (picked then, unless given), whose connector reserves blocks for what its own cache lacks
+        and pulls it; P frees its blocks once pulled."""
+        p_node = self.members[prefiller.url]
+        prefill_job = Job(rid, req.input_len, 1, None, lambda t: None, prompt.hashes, KVTransferParams.pull_prefill())
 
         def prefilled(t: float) -> None:
-            on_prefilled()
-            target = decoder or self._pick(self.decoders, "decode")
-            held = target.cached_tokens(decoder_job)
-            pulled = t + self.profile_transfer((n - held) * self.kv_bytes_per_token) + hop
-            self.sim.at(pulled, lambda: (prefiller.release(prefill_job), target.submit(decoder_job)))
+            target = decoder or self._select("decode", load)
+            decoder_job = self._answer_job(rid, req, tracker, prompt, on_done, prefill_job.answer_params)
 
-        prefill_job = Job(rid, n, 0, 1, None, prefilled, hold=True, hashes=prompt.hashes)
-        self.sim.at(self.sim.now + hop, lambda: prefiller.submit(prefill_job))
+            def reserved(remote_tokens: int, _: KVTransferParams | None) -> None:
+                pulled = self.sim.now + self.transfer_time(remote_tokens * self.kv_bytes_per_token)
+                self.sim.at(pulled, lambda: (p_node.release(prefill_job), self.members[target.url].kv_arrived(decoder_job)))
 
-    def _place(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt,
+            decoder_job.on_reserved = reserved
+            self._ask(target, decoder_job, load)
+
+        prefill_job.on_done = prefilled
+        self._ask(prefiller, prefill_job, load)
+
+    def _push(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, load: int,
+              on_done: Callable[[float], None]) -> None:
+        """PushFlow: D first; once its connector has reserved the blocks, D announces them to the
+        proxy (an HTTP hop), which sends the prompt to P; P pushes each layer as it is computed, so
+        only the last layer's transfer follows the prefill."""
+        decoder = self._select("decode", load)
+        decoder_job = self._answer_job(rid, req, tracker, prompt, on_done, KVTransferParams.push_decode("sim", str(rid)))
+        d_node, hop = self.members[decoder.url], self.sim.costs.request_hop
+
+        def reserved(remote_tokens: int, announcement: KVTransferParams | None) -> None:
+            last_layer = self.transfer_time(remote_tokens * self.kv_bytes_per_token / self.num_layers)
+
+            def pushed(t: float) -> None:
+                self.sim.at(t + last_layer, lambda: d_node.kv_arrived(decoder_job))
+
+            def announced() -> None:
+                prefill_job = Job(rid, req.input_len, 1, None, pushed, prompt.hashes,
+                                  KVTransferParams.push_prefill(announcement))
+                self._ask(self._select("prefill", load), prefill_job, load)
+
+            self.sim.at(self.sim.now + hop, announced)
+
+        decoder_job.on_reserved = reserved
+        self._ask(decoder, decoder_job, load)
+
+    def _place(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, load: int,
                on_done: Callable[[float], None]) -> None:
-        """Auto mode: the proxy's Placer chooses (placement.py), the flow runs as AutoFlow runs it."""
-        for n in self.p_nodes + self.d_nodes:  # what the proxy reads from each node's /metrics
-            sim_node = self.members[n.url]
-            n.kv_usage = 1.0 - sim_node.free_blocks / sim_node.batching.num_blocks
+        """AutoFlow: the proxy's Placer chooses (placement.py): prefill on D, or on a P that D pulls from."""
+        self._read_kv_usage()
         placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len)
         self.placer.dispatched(placement)
         self.placements[placement.choice] += 1
-        d, p, load = placement.decoder, placement.prefiller, req.input_len + req.output_len
+        if placement.prefiller is None:
+            self._ask(placement.decoder, self._answer_job(rid, req, tracker, prompt, on_done), load)
+        else:
+            self._pull(rid, req, tracker, prompt, placement.prefiller, placement.decoder, load, on_done)
 
-        def decoded(t: float) -> None:
-            d.end(load)
-            on_done(t)
-
-        if p is None:
-            d.begin(load)
-            job = Job(rid, req.input_len, 0, req.output_len, tracker, decoded, hashes=prompt.hashes)
-            self.sim.at(self.sim.now + self.sim.costs.request_hop, lambda: self.members[d.url].submit(job))
-            return
-        p.begin(load)
-        self._pull(rid, req, tracker, prompt, self.members[p.url], self.members[d.url], decoded,
-                   on_prefilled=lambda: (p.end(load), d.begin(load)))
-
-    def profile_transfer(self, nbytes: float) -> float:
+    def transfer_time(self, nbytes: float) -> float:
         return max(self._transfer_latency + self._transfer_per_byte * int(nbytes), 0.0)

@@ -7,7 +7,6 @@ import re
 from dataclasses import dataclass
 
 MODES = ("colocated", "pull", "push", "auto")
-POLICIES = ("round_robin", "least_loaded")
 
 
 @dataclass(frozen=True)
