@@ -138,6 +138,7 @@ def main() -> None:
     if earlier:
         args.rates, args.seconds_per_rate, args.setups = earlier["rates"], earlier["seconds_per_rate"], list(earlier["setups"])
         args.min_prompts = earlier.get("min_prompts", args.min_prompts)
+        args.dtype = earlier["dtype"]  # the real runs' (this machine's default may differ)
 
     if args.profile:
         profile = Profile.load(args.profile)
