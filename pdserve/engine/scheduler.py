@@ -205,7 +205,13 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
-        self.waiting.appendleft(req)
+        # Next in line, but behind the waiting requests that hold their blocks already (KV loaded
+        # from P, a fork's shared prompt): ahead of them it would take back the blocks it just gave
+        # up and the step's budget, run out of blocks again and never let them run (livelock).
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].block_tables:
+            i += 1
+        self.waiting.insert(i, req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         """Advance the scheduled requests by what the model computed; finish the ones that stop."""

@@ -94,19 +94,23 @@ class Planner:
         self.attainment, self.max_nodes, self.seed = attainment, max_nodes, seed
         self.simulated_requests = 0
 
-    def evaluate(self, family: Family, units: int) -> dict:
-        """One unit's summary when the cluster has `units` of them (see the module's docstring)."""
-        self.simulated_requests += len(self.requests)
+    def evaluate(self, family: Family, units: int, whole: bool = False) -> dict:
+        """One unit's summary when the cluster has `units` of them (see the module's docstring).
+        Unless `whole`, a run that cannot reach the attainment any more stops there (its summary
+        then holds only an upper bound of it: the bisection needs no more)."""
         setup = Setup(family.mode, family.prefill, family.decode)
-        return simulate(self.profile, setup, self.requests, self.rate / units, float(units), self.seed, self.slos,
-                        chunked_prefill=family.chunked, itls=False)
+        summary = simulate(self.profile, setup, self.requests, self.rate / units, float(units), self.seed, self.slos,
+                           chunked_prefill=family.chunked, itls=False,
+                           give_up_below=None if whole else self.attainment)
+        self.simulated_requests += summary["simulated_requests"]
+        return summary
 
     def smallest(self, family: Family) -> Choice | None:
         """The family's smallest passing size; a failing Choice at the largest size; None if no unit fits."""
         top = self.max_nodes // family.unit_nodes
         if top < 1:
             return None
-        summary = self.evaluate(family, top)
+        summary = self.evaluate(family, top, whole=True)  # reported even when it fails
         if summary["slo_attainment"] < self.attainment:
             return Choice(family, top, False, summary)
         lo, hi, best = 1, top, summary  # invariant: hi passes

@@ -1,0 +1,52 @@
+"""The scheduler always makes progress: a request preempted for want of blocks must not take them
+back ahead of requests that already hold theirs (found by the simulator, which runs this scheduler:
+an overloaded decode node spun forever, re-prefilling one prompt step after step)."""
+
+from __future__ import annotations
+
+import math
+
+from helpers import make_request
+
+from pdserve.config import KVTransferConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.connector import FinishedTransfers, KVConnectorScheduler
+from pdserve.kv.holds import HeldBlocks
+from pdserve.kv.inbox import TransferResult
+from pdserve.kv.params import KVTransferParams
+
+
+def loaded_request(rid: str, prompt: int, max_tokens: int):
+    """A decode node's request whose prompt KV a prefill node holds (pull)."""
+    req = make_request(list(range(100, 100 + prompt)), rid, max_tokens)
+    req.kv_transfer_params = KVTransferParams(do_remote_prefill=True, remote_request_id=rid,
+                                              remote_block_ids=list(range(-(-prompt // 4))))
+    return req
+
+
+def test_a_preempted_request_queues_behind_the_waiting_requests_that_hold_their_blocks():
+    """8 blocks of 4 tokens, a budget of 8. L1 and L2 reserve 3 blocks each for their loads; X
+    (8 tokens) takes the last 2 and samples. Once L1's and L2's KV has arrived they wait, holding
+    6 blocks, and X needs a third block: X is preempted. Queued ahead of them, X took its 2 blocks
+    and the whole budget back at every step and was preempted again, forever; behind them, L1 and
+    L2 run first and everything finishes."""
+    connector = KVConnectorScheduler(KVTransferConfig(role="decode"), 4, HeldBlocks(math.inf), "D")
+    scheduler = Scheduler(BlockManager(8, 4, enable_prefix_caching=False), 8, 8, True, connector=connector,
+                          clock=lambda: 0.0)
+    reqs = [loaded_request("L1", 12, 3), loaded_request("L2", 12, 3), make_request(list(range(8)), "X", 6)]
+    for req in reqs:
+        scheduler.add(req)
+    for step in range(200):
+        out = scheduler.schedule()
+        connector.build_connector_meta()
+        scheduler.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+        if step == 0:
+            assert sorted(scheduler.loading) == ["L1", "L2"] and reqs[2].num_output_tokens == 1
+            scheduler.update_kv_transfers(FinishedTransfers(received=[TransferResult(r, None, "pull")
+                                                                      for r in ("L1", "L2")]))
+        if not scheduler.has_unfinished():
+            break
+    assert [r.num_output_tokens for r in reqs] == [3, 3, 6], f"no progress after {step + 1} steps"
+    assert all(r.status.finished for r in reqs)
+    assert scheduler.block_manager.num_free_blocks == 8
