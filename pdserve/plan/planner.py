@@ -6,7 +6,9 @@
 Setups are families of a unit repeated k times: colocated nodes (with or without chunked
 prefill), and pull or push units of x P and y D nodes for the P:D ratios of RATIOS. For each
 family the planner finds the smallest k whose simulated SLO attainment reaches the target
-(attainment grows with k), by bisection between 1 and --max-nodes.
+(attainment grows with k), by bisection between 1 and --max-nodes. A bisection step stops its
+simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
+which the report shows even when it fails, runs whole.
 
 A cluster of k units is simulated as one unit that receives every k-th request: the proxy's
 round robin hands each node every (k * its count)-th request, so a unit sees the load's arrivals
