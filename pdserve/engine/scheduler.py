@@ -293,10 +293,10 @@ class Scheduler:
         # drops): step j takes the blocks its tokens start (schedule), then files the blocks its
         # tokens fill (update_from_output), request by request. Only those steps are visited.
         events = []
-        filing = manager.enable_prefix_caching  # (without a prefix cache, filing a block does nothing)
+        caching = manager.enable_prefix_caching  # (without a prefix cache, filing a block does nothing)
         for i, start in enumerate(starts):
             events += [(j, 0, i) for j in range(-start % size, k, size) if j]  # position start + j opens a block
-            if filing:
+            if caching:
                 events += [(j, 1, i) for j in range(-(start + 1) % size, k, size)]  # position start + j fills one
         for j, filing, i in sorted(events):
             req = reqs[i]
