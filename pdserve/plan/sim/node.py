@@ -1,6 +1,7 @@
-"""A simulated node: the engine's own Scheduler and BlockManager on the simulation's clock, with the
-model runner replaced by the profile's step costs. A request's work on a node is a Job; a run of
-steady decode steps is one event (DecodeRun: Scheduler.steady_decode_steps / advance_decode_steps)."""
+"""A simulated node: the engine's own Scheduler, BlockManager and KV connector (scheduler side) on
+the simulation's clock, with the model runner replaced by the profile's step costs. A request's work on a
+node is a Job; a run of steady decode steps is one event (DecodeRun: Scheduler.steady_decode_steps /
+    advance_decode_steps)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.config import KVTransferConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import NoText
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request
-from pdserve.config import KVTransferConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from pdserve.kv.connector import ConnectorMetadata, FinishedTransfers, KVConnectorScheduler
 from pdserve.kv.holds import HeldBlocks
