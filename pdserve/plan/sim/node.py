@@ -1,7 +1,7 @@
-"""A simulated node: the engine's own Scheduler, BlockManager and KV connector (scheduler side) on
-the simulation's clock, with the model runner replaced by the profile's step costs. A request's work on a
-node is a Job; a run of steady decode steps is one event (DecodeRun: Scheduler.steady_decode_steps /
-    advance_decode_steps)."""
+"""A simulated node: the engine's own Scheduler, BlockManager and KV connector (scheduler side)
+on the simulation's clock, with the model runner replaced by the profile's step costs. A request's
+work on a node is a Job; a run of steady decode steps is one event (DecodeRun:
+Scheduler.steady_decode_steps / advance_decode_steps)."""
 
 from __future__ import annotations
 
