@@ -166,7 +166,8 @@ def report(summary: dict) -> str:
         lines.append(f"{'Request goodput (req/s):':<40}{summary['request_goodput']:>12.2f}")
         lines.append(f"{'SLO attainment:':<40}{summary['slo_attainment'] * 100:>11.1f}%")
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+                        ("itl", "Inter-token Latency"), ("max_itl", "Longest Gap per Request"),
+                        ("e2el", "End-to-end Latency")):
         lines.append(f"{'-' * 15}{title}{'-' * 15}")
         for stat in ("mean", "median", "p90", "p99"):
             lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<40}{summary[f'{stat}_{name}_ms']:>12.2f}")

@@ -280,7 +280,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser)
     parser.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs, e.g. ttft:500 tpot:50 itl:200 (itl: each request's longest gap between tokens)")
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) -> None:
@@ -324,7 +325,7 @@ def add_placement_args(parser: argparse.ArgumentParser, ray: bool = False) -> No
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
                         help="auto, threshold / scorers: uncached prompt tokens past which a P node prefills")
     parser.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS",
-                        help="auto, cost: ttft:MS tpot:MS; placements that make the fewest requests miss them first")
+                        help="auto, cost: ttft:MS tpot:MS itl:MS; placements that make the fewest requests miss them first")
 
 
 def add_guard_args(parser: argparse.ArgumentParser) -> None:
@@ -470,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
     plan.add_argument("--model", default=None, help="refuse a profile of another model (name or part of it)")
     plan.add_argument("--rate", type=float, required=True, help="requests per second to serve")
-    plan.add_argument("--goodput", nargs="+", required=True, metavar="METRIC:MS", help="SLOs, e.g. ttft:2000 tpot:60")
+    plan.add_argument("--goodput", nargs="+", required=True, metavar="METRIC:MS",
+                      help="SLOs, e.g. ttft:2000 tpot:60 (itl:MS too)")
     plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
     plan.add_argument("--max-nodes", type=int, default=64, help="the largest cluster to consider (up to 1000)")
     add_dataset_args(plan, num_prompts=2000)

@@ -26,9 +26,25 @@ from pdserve.workload import (
 
 def test_goodput_parsing():
     assert parse_goodput(["ttft:500", "tpot:50", "e2el:3000"]) == {"ttft_ms": 500, "tpot_ms": 50, "e2el_ms": 3000}
+    assert parse_goodput(["itl:200"]) == {"max_itl_ms": 200}
     for bad, message in (("ttft:abc", "not a number"), ("speed:5", "must be one of"), ("tpot:-1", "> 0")):
         with pytest.raises(ValueError, match=message):
             parse_goodput([bad])
+
+
+def test_an_itl_slo_bounds_each_requests_longest_gap_which_a_tpot_slo_averages_away():
+    """Two answers of 11 tokens at 20 ms a gap, one of them with a 1 s stall: TPOT 118 ms and 20 ms;
+    with an ITL SLO of 200 ms the stalled one misses, with TPOT 150 ms both meet."""
+    smooth = RequestResult(True, 100, 11, ttft_ms=100, e2el_ms=300, itls_ms=[20.0] * 10)
+    stalled = RequestResult(True, 100, 11, ttft_ms=100, e2el_ms=1280, itls_ms=[20.0] * 9 + [1000.0])
+    assert (smooth.max_itl_ms, stalled.max_itl_ms) == (20.0, 1000.0)
+    assert stalled.tpot_ms == pytest.approx(118.0)
+    assert summarize([smooth, stalled], 2.0, parse_goodput(["tpot:150"]))["slo_attainment"] == 1.0
+    summary = summarize([smooth, stalled], 2.0, parse_goodput(["itl:200"]))
+    assert summary["slo_attainment"] == 0.5
+    assert summary["median_max_itl_ms"] == pytest.approx(510.0) and summary["p99_max_itl_ms"] > 990
+    # Where the gaps are not kept (the planner's simulations), the longest is given instead.
+    assert RequestResult(True, 100, 11, longest_gap_ms=750.0).max_itl_ms == 750.0
 
 
 def test_arrivals_are_seeded_poisson_with_the_asked_rate():

@@ -109,6 +109,22 @@ def test_with_slos_a_request_waits_behind_a_long_prefill_rather_than_overfill_a_
     assert slo_aware.misses(view.local(a), view, 128) == 4 and slo_aware.misses(view.local(b), view, 128) == 0
 
 
+def test_an_itl_slo_sends_a_stalling_prefill_to_p_where_tpot_would_absorb_it(tmp_path):
+    """D holds 2 streams (a step of 30.3 ms). Prefilling 1000 tokens there stalls each for about a
+    second (chunks of 512: 0.522 + 0.498 s): within a TPOT SLO of 60 ms, spread over 128 tokens, but
+    a gap far over an ITL SLO of 200 ms, so both streams would miss it; on P, D only computes the
+    last token (11 ms a stream) and nobody misses."""
+    p, d = Node("http://p:1", "prefill"), Node("http://d:1", "decode")
+    d.active_requests, d.active_tokens = 2, 256
+    prompt = list(range(1000))
+    tpot = placer(tmp_path, [p, d], slos={"tpot_ms": 60})
+    itl = placer(tmp_path, [p, d], slos={"max_itl_ms": 200})
+    view = PromptView(prompt, itl.costs, itl.index, "shm", itl.clock())
+    assert tpot.misses(view.local(d), view, 128) == 0
+    assert itl.misses(view.local(d), view, 128) == 2 and itl.misses(view.remote(d, p), view, 128) == 0
+    assert itl.place(prompt, [p], [d], output_tokens=128).choice == "remote"
+
+
 def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
     """Decode: 10 decode-only steps of 2 sequences and 200 KV tokens in 0.6 s, against a model of
     10 ms + 10 ms/seq + 0.1 ms/KV token (50 ms a step): 1.2x, of which 30 % is taken in. A node

@@ -352,3 +352,17 @@ def test_least_loaded_counts_in_flight_tokens_as_the_proxy_does():
     least = run("colocated:2", requests, policy="least_loaded")
     rr = run("colocated:2", requests)
     assert least["ttfts"][2] < 0.1 and rr["ttfts"][2] > 1.0
+
+
+def test_the_simulator_predicts_each_requests_longest_gap_kept_or_not():
+    """colocated:1: A decodes when B's 1000-token prompt arrives; the step that takes B's first
+    chunk (512 tokens: 10 + 512 ms) beside A's decode is A's longest gap. The planner's runs keep
+    no gaps (itls=False) but the same longest gap, so an ITL SLO is judged alike."""
+    requests = [BenchRequest([0], 100, 20), BenchRequest([0], 1000, 2)]
+    kept = run("colocated:1", requests, rate=10.0)
+    bare = run("colocated:1", requests, rate=10.0, itls=False)
+    longest = [max(gaps) for gaps in kept["itls"]]
+    assert longest[0] > 0.522  # B's first chunk, beside A's decode
+    for summary in (kept, bare):
+        assert summary["mean_max_itl_ms"] == pytest.approx(1e3 * sum(longest) / 2)
+    assert bare["itls"] == [[], []]

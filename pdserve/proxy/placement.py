@@ -204,7 +204,7 @@ class Placer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.costs, self.index, self.transport = costs, index, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
-        self.slos = slos or {}  # ttft_ms / tpot_ms: the cost rule first counts who would miss them
+        self.slos = slos or {}  # ttft_ms / tpot_ms / max_itl_ms: the cost rule first counts who would miss them
         self.clock = clock  # the simulator runs this Placer on its own clock (plan/sim/)
         self.rule = PLACEMENT_RULES.get(rule)(self)
 
@@ -219,17 +219,21 @@ class Placer:
         return options
 
     def misses(self, option: Placement, view: PromptView, output_tokens: int) -> int:
-        """Requests predicted to miss an SLO if `option` is taken: this one (its TTFT; its TPOT in
-        the decode node's batch grown by one) and the streams on the decode node that met the TPOT
-        SLO before and would not after (a bigger batch, plus the stall spread over their tokens)."""
+        """Requests predicted to miss an SLO if `option` is taken: this one (its TTFT; its TPOT or
+        longest gap in the decode node's batch grown by one) and the streams on the decode node
+        that met the TPOT or ITL SLO before and would not after (a bigger batch, plus the stall:
+        spread over their tokens for TPOT, whole in one gap for ITL)."""
         if not self.slos:
             return 0
-        d, costs = option.decoder, self.costs
-        ttft_slo, tpot_slo = self.slos.get("ttft_ms", float("inf")) / 1e3, self.slos.get("tpot_ms", float("inf")) / 1e3
+        d, costs, inf = option.decoder, self.costs, float("inf")
+        ttft_slo, tpot_slo = self.slos.get("ttft_ms", inf) / 1e3, self.slos.get("tpot_ms", inf) / 1e3
+        itl_slo = self.slos.get("max_itl_ms", inf) / 1e3  # a stream's longest gap: the stall lands whole in one
         streams, speed = d.active_requests, d.speed.decode
+        before = costs.step_s(streams, d.active_tokens) * speed
         after = costs.step_s(streams + 1, d.active_tokens + view.tokens + output_tokens) * speed
-        misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo)
-        if streams and costs.step_s(streams, d.active_tokens) * speed <= tpot_slo < after + option.stall_s / streams / output_tokens:
+        misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo or after > itl_slo)
+        stall = option.stall_s / streams if streams else 0.0  # each stream's (stall_s sums them)
+        if streams and (before <= tpot_slo < after + stall / output_tokens or before <= itl_slo < after + stall):
             misses += streams
         return misses
 

@@ -130,7 +130,8 @@ class SimProxy:
 
             def reserved(remote_tokens: int, _: KVTransferParams | None) -> None:
                 pulled = self.sim.now + self.transfer_time(remote_tokens * self.kv_bytes_per_token)
-                self.sim.at(pulled, lambda: (p_node.release(prefill_job), self.members[target.url].kv_arrived(decoder_job)))
+                d_node = self.members[target.url]
+                self.sim.at(pulled, lambda: (p_node.release(prefill_job), d_node.kv_arrived(decoder_job)))
 
             decoder_job.on_reserved = reserved
             self._ask(target, decoder_job, load)
@@ -144,7 +145,8 @@ class SimProxy:
         proxy (an HTTP hop), which sends the prompt to P; P pushes each layer as it is computed, so
         only the last layer's transfer follows the prefill."""
         decoder = self._select("decode", load)
-        decoder_job = self._answer_job(rid, req, tracker, prompt, on_done, KVTransferParams.push_decode("sim", str(rid)))
+        decoder_job = self._answer_job(rid, req, tracker, prompt, on_done,
+                                       KVTransferParams.push_decode("sim", str(rid)))
         d_node, hop = self.members[decoder.url], self.sim.costs.request_hop
 
         def reserved(remote_tokens: int, announcement: KVTransferParams | None) -> None:

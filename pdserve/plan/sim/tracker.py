@@ -18,16 +18,20 @@ class Tracker:
     first: float | None = None
     last: float = 0.0
     count: int = 0
+    longest: float = 0.0  # the longest gap so far (kept even when the gaps are not)
 
     def token(self, time: float) -> None:
         if self.first is None:
             self.first = time
-        elif self.gaps is not None:
-            self.gaps.append((time - self.last, 0.0, 1))
+        else:
+            self.longest = max(self.longest, time - self.last)
+            if self.gaps is not None:
+                self.gaps.append((time - self.last, 0.0, 1))
         self.last, self.count = time, self.count + 1
 
     def steps(self, end: float, first_step: float, growth: float, count: int) -> None:
         """`count` tokens from back-to-back decode steps ending at `end` (the first token came before)."""
+        self.longest = max(self.longest, first_step + max(growth, 0.0) * (count - 1))
         if self.gaps is not None:
             self.gaps.append((first_step, growth, count))
         self.last, self.count = end, self.count + count
@@ -40,4 +44,5 @@ class Tracker:
         gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls and self.gaps else []
         return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
                              output_len=self.count, ttft_ms=(self.first + delay - self.arrival) * 1e3,
-                             e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival)
+                             e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival,
+                             longest_gap_ms=self.longest * 1e3)
