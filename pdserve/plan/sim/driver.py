@@ -88,10 +88,11 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     blocks, and hashing them costs the million-request runs time for nothing.
     `placement`: auto mode's rule (`pdserve proxy --placement`), with the SLOs given.
 
-    `give_up_below`: stop once the SLO attainment cannot reach it (more requests than it allows
-    have passed their TTFT deadline without a first token) and return only `slo_attainment` (an
-    upper bound), `gave_up` and `simulated_requests`: the planner's bisection needs no more of a
-    setup that fails, and an overloaded one costs the most to simulate."""
+    `give_up_below`: stop once the SLO attainment cannot reach it (SLOWatch: more requests than it
+    allows are past their TTFT deadline without a first token, or finished and missing an SLO) and
+    return only `slo_attainment` (an upper bound), `gave_up` and `simulated_requests`: the
+    planner's bisection needs no more of a setup that fails, and an overloaded one costs the most
+    to simulate."""
     collecting = gc.isenabled()
     gc.disable()  # a run makes millions of short-lived objects and no cycles: the collector's passes are pure cost
     try:

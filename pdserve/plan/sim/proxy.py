@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
+from pdserve.kv.params import KVTransferParams
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.node import Job, SimNode
 from pdserve.plan.sim.setup import Batching, Setup
 from pdserve.plan.sim.tracker import Tracker
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.placement import Placer
-from pdserve.kv.params import KVTransferParams
 from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
 from pdserve.proxy.prefix_index import NodeCache
 from pdserve.workload import BenchRequest
