@@ -35,12 +35,12 @@ import numpy as np
 
 from pdserve.benchmarks.report import publish
 from pdserve.bench_serving import answer_tokenizer, run_benchmark
-from pdserve.benchmarks.study import rate_workload, study_slos
+from pdserve.benchmarks.study import multiturn_workload, rate_workload, study_slos
 from pdserve.config import EngineConfig
 from pdserve.plan.profile import ProfilePoints, run_profile
 from pdserve.platform import plan_kernels
 from pdserve.procs import ProcessGroup, up_child
-from pdserve.workload import BenchRequest, mixed_dataset, multiturn_dataset, summarize
+from pdserve.workload import mixed_dataset, summarize
 
 SETUPS = {
     "colo": ("colocated x2, round robin", ["--colocated", "2", "--no-chunked-prefill"]),
@@ -51,14 +51,6 @@ SETUPS = {
     "scorers": ("1P1D auto, llm-d's scorers", ["--mode", "auto", "--placement", "scorers"]),
 }
 STATIC = ("colo", "pull")
-TURNS, SYSTEM_LEN, TURN_LEN, THINK_S = 4, 512, 64, 1.0
-
-
-def multiturn_workload(index: int, rate: float, seconds_per_rate: float, min_conversations: int) -> list[BenchRequest]:
-    """Conversations for the `index`-th multiturn rate: a fresh seed (and system prompt) per rate."""
-    n = max(min_conversations, round(rate * seconds_per_rate))
-    return multiturn_dataset(n, seed=2000 + index, turns=TURNS, system_len=SYSTEM_LEN, user_len=TURN_LEN,
-                             answer_len=TURN_LEN, think_s=THINK_S)
 
 
 def run_setup(key: str, profile: str, dtype: str, slos: dict, args) -> dict:

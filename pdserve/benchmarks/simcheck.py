@@ -1,11 +1,12 @@
 """The simulator against real runs: the study's setups on this machine, measured and simulated.
 
-    python -m pdserve.benchmarks.simcheck [--rates 0.25 0.5 1.0] [--seconds-per-rate 60] [--setups a b c d]
+    python -m pdserve.benchmarks.simcheck [--rates 0.25 0.5 1.0] [--seconds-per-rate 60] [--min-prompts 150]
+                                         [--setups a b c d e] [--workload mixed|multiturn]
                                          [--quick-profile | --profile FILE]
 
 First a fresh profile of this machine's engine (`pdserve profile`, one thread like each node; or
 the one given), then the SLOs of the study (benchmarks/study.py), then for each setup and rate the
-study's workload twice: for real (`pdserve up`, one core per node) and in the simulator with that
+workload twice (`mixed`, the study's, or `multiturn`: conversations, the rate is of conversations): for real (`pdserve up`, one core per node) and in the simulator with that
 profile. The profile gives the costs' shape; their level comes from the idle node the study
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
@@ -15,8 +16,12 @@ each metric: median and p99 TTFT and TPOT and request throughput relative to the
 attainment in points. Targets: medians and throughput within 10 %,
 attainment within 10 points.
 
-Writes docs/results/simcheck.json (with the profile it used), simcheck.png (goodput and
-attainment against rate, simulated dashed against real) and a section of docs/benchmarks.md.
+Setups: the study's (a) colocated x2, (b) with chunked prefill, (c) 1P1D pull, (d) 1P1D push, and
+(e) 1P1D `--mode auto` (the cost rule, with the profile above and the study's SLOs).
+
+Writes docs/results/simcheck.json (`multiturn`: simcheck_multiturn.json; with the profile it used),
+a PNG beside it (goodput and attainment against rate, simulated dashed against real) and a section
+of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ from pathlib import Path
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import (
     LONG_INPUT,
-    SETUPS,
     SHORT_INPUT,
     SHORT_OUTPUT,
+    WORKLOADS,
     add_sweep_args,
-    rate_workload,
     run_setup,
     study_slos,
+    sweep_workload,
 )
+from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
+from pdserve.benchmarks.study import Setup as StudySetup
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
@@ -47,6 +54,7 @@ from pdserve.platform import plan_kernels
 
 RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")
 MEDIANS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")  # the ones the 10 % target covers
+SETUPS = {**STUDY_SETUPS, "e": StudySetup("e", "1P1D auto (cost)", ("--mode", "auto"), "auto:1P1D")}
 
 
 def errors(real: dict, simulated: dict) -> dict[str, float]:
@@ -61,11 +69,19 @@ def within_targets(err: dict[str, float]) -> bool:
 
 
 def simulated_points(profile: Profile, key: str, rates: list[float], seconds_per_rate: float, min_prompts: int,
-                     slos: dict[str, float]) -> list[dict]:
+                     slos: dict[str, float], workload: str) -> list[dict]:
     setup = SETUPS[key]
-    return [simulate(profile, Setup.parse(setup.simulated), rate_workload(i, rate, seconds_per_rate, min_prompts),
-                     rate, 1.0, i, slos, max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked)
+    return [simulate(profile, Setup.parse(setup.simulated),
+                     sweep_workload(workload, i, rate, seconds_per_rate, min_prompts), rate, 1.0, i, slos,
+                     max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked)
             for i, rate in enumerate(rates)]
+
+
+def auto_args(setup: StudySetup, profile_path: Path, slos: dict[str, float]) -> tuple[str, ...]:
+    """What `pdserve up --mode auto` adds: the profile to price placements with, the SLOs to keep."""
+    if "auto" not in setup.up_args:
+        return ()
+    return ("--profile", str(profile_path), "--slo", f"ttft:{slos['ttft_ms']:.0f}", f"tpot:{slos['tpot_ms']:.1f}")
 
 
 def idle_level(profile: Profile, idle: dict) -> dict[str, float]:
@@ -83,7 +99,7 @@ def idle_level(profile: Profile, idle: dict) -> dict[str, float]:
 
 
 def table(res: dict) -> str:
-    lines = ["| setup | rate (req/s) | median TTFT real / sim (ms) | p99 TTFT | median TPOT | p99 TPOT | "
+    lines = ["| setup | rate (/s) | median TTFT real / sim (ms) | p99 TTFT | median TPOT | p99 TPOT | "
              "throughput real / sim (req/s) | attainment real / sim (%) | errors (TTFT p50, p99, TPOT p50, p99, "
              "throughput; attainment points) | within targets |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -121,11 +137,13 @@ def plot(res: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_sweep_args(parser, [0.25, 0.5, 1.0], 60.0, 30)
+    add_sweep_args(parser, [0.25, 0.5, 1.0], 60.0, 150, SETUPS)
+    parser.add_argument("--workload", default="mixed", choices=WORKLOADS)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--profile", default=None, help="use this profile instead of measuring a fresh one")
     source.add_argument("--quick-profile", action="store_true", help="measure the fresh profile with --quick")
-    parser.add_argument("--out", default="docs/results/simcheck.json")
+    parser.add_argument("--out", default=None, help="default: docs/results/simcheck.json (multiturn: "
+                        "simcheck_multiturn.json)")
     parser.add_argument("--no-track-speed", dest="track_speed", action="store_false",
                         help="simulate with the profile as measured, not scaled to the machine's speed at each setup")
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
@@ -138,17 +156,22 @@ def main() -> None:
     if earlier:
         args.rates, args.seconds_per_rate, args.setups = earlier["rates"], earlier["seconds_per_rate"], list(earlier["setups"])
         args.min_prompts = earlier.get("min_prompts", args.min_prompts)
+        args.workload = earlier.get("workload", "mixed")
         args.dtype = earlier["dtype"]  # the real runs' (this machine's default may differ)
 
+    suffix = "" if args.workload == "mixed" else f"_{args.workload}"
+    args.out = args.out or f"docs/results/simcheck{suffix}.json"
+    profile_path = Path(args.out).with_name(f"simcheck{suffix}_profile.json")  # auto mode's nodes read it
     if args.profile:
         profile = Profile.load(args.profile)
     elif earlier and not args.quick_profile:  # the profile that run measured
-        path = Path(args.out).with_name("simcheck_profile.json")
-        path.write_text(json.dumps(earlier["profile"]))
-        profile = Profile.load(path)
+        profile_path.write_text(json.dumps(earlier["profile"]))
+        profile = Profile.load(profile_path)
     else:  # measured alone on the machine, before any node starts
         points = ProfilePoints.quick() if args.quick_profile else ProfilePoints.full()
         profile = run_profile(EngineConfig(dtype=args.dtype, threads=1), points)
+    if not args.profile:
+        profile.save(profile_path)
     print(describe(profile), flush=True)
     if earlier:
         idle, slos = earlier["idle"], earlier["slos_ms"]
@@ -157,7 +180,7 @@ def main() -> None:
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
 
     source = args.profile or (earlier["profile_source"] if earlier else "fresh")
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "rates": args.rates,
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "workload": args.workload, "rates": args.rates,
                  "seconds_per_rate": args.seconds_per_rate, "min_prompts": args.min_prompts, "slos_ms": slos,
                  "idle": idle, "profile": asdict(profile), "profile_source": source, "setups": {},
                  "real_from": (earlier.get("real_from") or earlier["date"]) if earlier else None}
@@ -173,7 +196,8 @@ def main() -> None:
         else:
             seed = 10_000 * (1 + args.setups.index(key))  # fresh prompts for every speed_index
             speed = [speed_index(engine, seed)] if engine else []
-            real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos)
+            real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos,
+                             args.workload, auto_args(setup, Path(args.profile or profile_path), slos))
             speed += [speed_index(engine, seed + 1000)] if engine else []
         now = {k: statistics.mean(s[k] for s in speed) for k in ("prefill_s", "decode_s")} if speed else {}
         drift = profile.speed_factors(now) if now else {"prefill": 1.0, "decode": 1.0}
@@ -181,7 +205,8 @@ def main() -> None:
         factors = {k: level[k] * drift[k] / first_drift[k] for k in level} if args.calibrate else drift
         print(f"[{key}] costs scaled by prefill x{factors['prefill']:.2f}, decode x{factors['decode']:.2f} "
               f"(machine drift against the profile: x{drift['prefill']:.2f}, x{drift['decode']:.2f})", flush=True)
-        sim = simulated_points(profile.scaled(factors), key, args.rates, args.seconds_per_rate, args.min_prompts, slos)
+        sim = simulated_points(profile.scaled(factors), key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
+                               args.workload)
         for point in real + sim:  # per-token gaps: megabytes, and their percentiles are in the summaries
             point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
@@ -204,8 +229,10 @@ def finish(res: dict, args) -> None:
     png = out.with_suffix(".png")
     plot(res, png)
     again = f"; real runs of {res['real_from']}, simulated again" if res.get("real_from") else ""
-    body = (f"Command: `python -m pdserve.benchmarks.simcheck --rates {' '.join(f'{r:g}' for r in res['rates'])} "
-            f"--seconds-per-rate {res['seconds_per_rate']:g} --min-prompts {res['min_prompts']}` ({res['date']}, {res['dtype']}, profile: "
+    workload = res.get("workload", "mixed")
+    body = (f"Command: `python -m pdserve.benchmarks.simcheck --workload {workload} --rates "
+            f"{' '.join(f'{r:g}' for r in res['rates'])} --seconds-per-rate {res['seconds_per_rate']:g} "
+            f"--min-prompts {res['min_prompts']} --setups {' '.join(res['setups'])}` ({res['date']}, {res['dtype']}, profile: "
             f"{res['profile_source']}{again}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
             f"TPOT {res['slos_ms']['tpot_ms']:.0f} ms. Errors are (simulated - real) / real; attainment in points.\n\n"
             f"{table(res)}\n\nCost factors (prefill, decode) per setup, idle level x drift: "
@@ -213,7 +240,8 @@ def finish(res: dict, args) -> None:
                         for k, v in res["setups"].items())
             + f".\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
             f"throughput within 10 %, attainment within 10 points).\n\n![simulated against real]({png.name})")
-    publish(res, str(out), "simcheck", "Simulator against real runs (simcheck)", body)
+    section = "simcheck" if workload == "mixed" else f"simcheck_{workload}"
+    publish(res, str(out), section, f"Simulator against real runs (simcheck, {workload})", body)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks.report import publish
-from pdserve.bench_serving import run_benchmark
+from pdserve.bench_serving import answer_tokenizer, run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, up_child
-from pdserve.workload import BenchRequest, mixed_dataset, random_dataset, summarize
+from pdserve.workload import BenchRequest, mixed_dataset, multiturn_dataset, random_dataset, summarize
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128
 CHUNK_BUDGET = 256
+TURNS, SYSTEM_LEN, TURN_LEN, THINK_S = 4, 512, 64, 1.0  # `multiturn`'s conversations
+WORKLOADS = ("mixed", "multiturn")
 
 
 @dataclass(frozen=True)
@@ -101,19 +103,35 @@ def rate_workload(index: int, rate: float, seconds_per_rate: float, min_prompts:
                          long=(LONG_INPUT, LONG_OUTPUT))
 
 
+def multiturn_workload(index: int, rate: float, seconds_per_rate: float, min_conversations: int) -> list[BenchRequest]:
+    """Conversations for the `index`-th multiturn rate: a fresh seed (and system prompt) per rate."""
+    n = max(min_conversations, round(rate * seconds_per_rate))
+    return multiturn_dataset(n, seed=2000 + index, turns=TURNS, system_len=SYSTEM_LEN, user_len=TURN_LEN,
+                             answer_len=TURN_LEN, think_s=THINK_S)
+
+
+def sweep_workload(workload: str, index: int, rate: float, seconds_per_rate: float,
+                   min_requests: int) -> list[BenchRequest]:
+    """`mixed`: requests at `rate`; `multiturn`: conversations at `rate`, at least `min_requests` turns."""
+    if workload == "multiturn":
+        return multiturn_workload(index, rate, seconds_per_rate, -(-min_requests // TURNS))
+    return rate_workload(index, rate, seconds_per_rate, min_requests)
+
+
 def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_prompts: int, dtype: str,
-              slos: dict[str, float]) -> list[dict]:
+              slos: dict[str, float], workload: str = "mixed", extra_args: tuple[str, ...] = ()) -> list[dict]:
     points = []
+    answer_ids = answer_tokenizer(None) if workload == "multiturn" else None  # answers join the next prompt
     with ProcessGroup(stop_grace_s=30) as group:
-        up = group.start(up_child((*setup.up_args, "--dtype", dtype)))
+        up = group.start(up_child((*setup.up_args, *extra_args, "--dtype", dtype)))
         group.wait_ready([up], 300)
         warm = mixed_dataset(4, seed=999, long_fraction=0.5)
         asyncio.run(run_benchmark(up.url, warm, "completions", None, float("inf"), 1.0, None, 0, show_progress=False))
         for i, rate in enumerate(rates):
-            requests = rate_workload(i, rate, seconds_per_rate, min_prompts)
-            print(f"[{setup.key}] {setup.label}: {len(requests)} requests at {rate} req/s", flush=True)
+            requests = sweep_workload(workload, i, rate, seconds_per_rate, min_prompts)
+            print(f"[{setup.key}] {setup.label}: {workload}, {len(requests)} requests at {rate} /s", flush=True)
             results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0, None,
-                                                          seed=i))
+                                                          seed=i, answer_ids=answer_ids))
             summary = summarize(results, duration, slos)
             summary["request_rate"] = rate
             summary["long"] = [r.input_len >= LONG_INPUT for r in results]
@@ -286,12 +304,12 @@ def markdown(res: dict, args, files: dict[str, str]) -> str:
 
 
 def add_sweep_args(parser: argparse.ArgumentParser, rates: list[float], seconds_per_rate: float,
-                   min_prompts: int) -> None:
+                   min_prompts: int, setups: dict[str, Setup] = SETUPS) -> None:
     """The sweep's flags (the study's and simcheck's): rates, requests per rate, setups, SLO scales, dtype."""
     parser.add_argument("--rates", type=float, nargs="+", default=rates)
     parser.add_argument("--seconds-per-rate", type=float, default=seconds_per_rate)
-    parser.add_argument("--min-prompts", type=int, default=min_prompts)
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--min-prompts", type=int, default=min_prompts, help="requests per rate at least")
+    parser.add_argument("--setups", nargs="+", default=list(setups), choices=list(setups))
     parser.add_argument("--ttft-scale", type=float, default=2.0)
     parser.add_argument("--tpot-scale", type=float, default=1.5)
     parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
