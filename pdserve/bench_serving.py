@@ -230,8 +230,8 @@ def main(args) -> int:
     slos, rate, requests = workload_from_args(args)
     results, duration = asyncio.run(run_benchmark(args.base_url.rstrip("/"), requests, args.endpoint, args.model,
                                                   rate, args.burstiness, args.max_concurrency, args.seed,
-                                                  answer_ids=answer_tokenizer(args.tokenizer) if args.dataset == "multiturn"
-                                                  else None))
+                                                  answer_ids=answer_tokenizer(args.tokenizer)
+                                                  if any(r.conversation is not None for r in requests) else None))
     summary = summarize(results, duration, slos)
     summary["engines"] = server_engines(args.base_url.rstrip("/"))
     summary.update({"base_url": args.base_url, "endpoint": args.endpoint, "max_concurrency": args.max_concurrency})

@@ -287,7 +287,10 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) -> None:
     """Which requests: `pdserve bench`, `simulate` and `plan` read the same dataset flags."""
     parser.add_argument("--dataset", default="random",
-                        help="random | mixed | multiturn | path to a ShareGPT JSON file")
+                        help="random | mixed (its flags below) | a named workload: chat (mixed as it defaults), "
+                             "summarize (1-4k tokens in, 32-128 out), generate (32-256 in, 256-1k out), "
+                             "multiturn (its flags below), agentic (8 turns on a 1536-token system prompt, "
+                             "256-token tool results, 64-token calls, 0.2 s apart) | a ShareGPT JSON file")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +- this fraction")
@@ -303,7 +306,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 100) ->
     parser.add_argument("--think-time", type=float, default=1.0, metavar="S",
                         help="multiturn: mean pause between an answer and the next turn (exponential)")
     parser.add_argument("--num-prompts", type=int, default=num_prompts,
-                        help="requests (multiturn: conversations; each has --turns requests)")
+                        help="requests (multiturn, agentic: conversations of --turns, or 8, requests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="model dir / GGUF for ShareGPT lengths and chat text")
 

@@ -1,7 +1,8 @@
 """The workload both `pdserve bench` and `pdserve simulate` replay, and the figures they report.
 
-Seeded datasets (random token prompts, `mixed`, ShareGPT), gamma arrivals, the per-request result
-and its summary (vLLM's field names), so a measured run and a simulated one compare key by key.
+Seeded datasets (random token prompts, the named workloads below, ShareGPT), gamma arrivals, the
+per-request result and its summary (vLLM's field names), so a measured run and a simulated one
+compare key by key.
 """
 
 from __future__ import annotations
@@ -103,6 +104,44 @@ def multiturn_dataset(n: int, seed: int, turns: int = 4, system_len: int = 512, 
             out.append(BenchRequest(prompt, len(prompt), answer_len, conversation=c,
                                     think_s=rng.expovariate(1 / think_s) if think_s > 0 and k else 0.0))
     return out
+
+
+def ranged_dataset(n: int, seed: int, input_range: tuple[int, int], output_range: tuple[int, int]) -> list[BenchRequest]:
+    """`n` seeded requests whose prompt and answer lengths are uniform in the (inclusive) ranges."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        inp, outp = rng.randint(*input_range), rng.randint(*output_range)
+        out.extend(random_dataset(1, inp, outp, 0.0, seed * 100_003 + i))
+    return out
+
+
+# The named workloads (`--dataset NAME`), shapes fixed so that a name means one load everywhere:
+#   chat       `mixed` as its flags default: 90 % 128 -> 128 turns, 10 % 2048 -> 64 documents
+#   summarize  prefill-heavy: 1024-4096 tokens in, 32-128 out (uniform)
+#   generate   decode-heavy: 32-256 tokens in, 256-1024 out (uniform)
+#   multiturn  conversations (its flags: 4 turns on a 512-token system prompt, 64-token turns)
+#   agentic    long histories: 8 turns on a 1536-token system prompt (tools), each turn adds a
+#              256-token tool result and asks for a 64-token call, 0.2 s between turns
+SUMMARIZE = ((1024, 4096), (32, 128))
+GENERATE = ((32, 256), (256, 1024))
+AGENTIC = {"turns": 8, "system_len": 1536, "user_len": 256, "answer_len": 64, "think_s": 0.2}
+DATASETS = ("random", "mixed", "chat", "summarize", "generate", "multiturn", "agentic")
+
+
+def named_dataset(name: str, n: int, seed: int) -> list[BenchRequest]:
+    """A named workload at its stated shape (the comment above); `n` requests, or conversations."""
+    if name in ("chat", "mixed"):
+        return mixed_dataset(n, seed)
+    if name == "summarize":
+        return ranged_dataset(n, seed, *SUMMARIZE)
+    if name == "generate":
+        return ranged_dataset(n, seed, *GENERATE)
+    if name == "multiturn":
+        return multiturn_dataset(n, seed)
+    if name == "agentic":
+        return multiturn_dataset(n, seed, **AGENTIC)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(DATASETS[1:])}")
 
 
 def conversations(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
@@ -246,7 +285,7 @@ def requests_from_args(args) -> list[BenchRequest]:
         raise ValueError("--num-prompts must be >= 1")
     tokenizer = None
     chat = getattr(args, "endpoint", "completions") == "chat"  # only `pdserve bench` has an endpoint
-    if args.dataset not in ("random", "mixed") or chat:  # multiturn: the answers go into the history as tokens
+    if args.dataset not in DATASETS or chat:  # ShareGPT's lengths; chat text
         from pdserve.models.locate import resolve_model_dir
         from pdserve.models.tokenizer import Tokenizer
 
@@ -264,9 +303,12 @@ def requests_from_args(args) -> list[BenchRequest]:
     elif args.dataset == "mixed":
         requests = mixed_dataset(args.num_prompts, args.seed, args.long_fraction,
                                  (args.short_input_len, args.short_output_len), (args.long_input_len, args.long_output_len))
+    elif args.dataset in DATASETS:
+        requests = named_dataset(args.dataset, args.num_prompts, args.seed)
     else:
         if not Path(args.dataset).is_file():
-            raise ValueError(f"--dataset {args.dataset!r} is neither random, mixed, multiturn nor a ShareGPT JSON file")
+            raise ValueError(f"--dataset {args.dataset!r} is neither one of {', '.join(DATASETS)} "
+                             "nor a ShareGPT JSON file")
         requests = sharegpt_dataset(args.dataset, args.num_prompts, args.seed, tokenizer)
     if chat:
         requests = as_text(requests, tokenizer)

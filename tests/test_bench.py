@@ -20,6 +20,7 @@ from pdserve.workload import (
     multiturn_dataset,
     parse_goodput,
     random_dataset,
+    requests_from_args,
     summarize,
 )
 
@@ -80,6 +81,32 @@ def test_multiturn_conversations_share_a_system_prompt_and_add_a_user_turn_each(
     assert 1.0 < np.mean([t.think_s for t in requests if t.think_s]) < 4.0
     with_singles = [BenchRequest([1], 1, 1)] + requests[:2] + [BenchRequest([2], 1, 1)]
     assert [len(s) for s in conversations(with_singles)] == [1, 2, 1]
+
+
+def dataset_flags(*argv: str):
+    """`pdserve bench`'s parsed flags (only the dataset's are read)."""
+    from pdserve.cli import build_parser
+
+    return build_parser().parse_args(["bench", "--base-url", "http://127.0.0.1:1", *argv])
+
+
+def test_named_workloads_have_their_stated_shapes_through_the_dataset_flag():
+    summarize_ = requests_from_args(dataset_flags("--dataset", "summarize", "--num-prompts", "400", "--seed", "3"))
+    assert summarize_ == requests_from_args(dataset_flags("--dataset", "summarize", "--num-prompts", "400", "--seed", "3"))
+    assert all(1024 <= r.input_len <= 4096 and 32 <= r.output_len <= 128 for r in summarize_)
+    assert min(r.input_len for r in summarize_) < 1400 and max(r.input_len for r in summarize_) > 3700  # spread out
+    generate = requests_from_args(dataset_flags("--dataset", "generate", "--num-prompts", "400"))
+    assert all(32 <= r.input_len <= 256 and 256 <= r.output_len <= 1024 for r in generate)
+    assert np.mean([r.output_len for r in generate]) > 2 * np.mean([r.input_len for r in generate])  # decode-heavy
+    assert requests_from_args(dataset_flags("--dataset", "chat", "--num-prompts", "50")) == mixed_dataset(50, seed=0)
+    agentic = requests_from_args(dataset_flags("--dataset", "agentic", "--num-prompts", "3"))
+    sessions = conversations(agentic)
+    assert [len(turns) for turns in sessions] == [8, 8, 8]
+    for turns in sessions:
+        assert [t.input_len for t in turns] == [1536 + 256] + [256] * 7 and all(t.output_len == 64 for t in turns)
+    assert agentic[0].prompt[:1536] == agentic[8].prompt[:1536]  # one system prompt (the tools) for all
+    with pytest.raises(ValueError, match="neither one of random, mixed, chat, summarize"):
+        requests_from_args(dataset_flags("--dataset", "summarise"))
 
 
 def test_summary_uses_vllm_definitions():
