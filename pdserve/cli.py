@@ -189,10 +189,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         from pdserve.launcher import check_node_tp
 
         check_node_tp(args)  # a TP size that cannot split the model stops here, before any node starts
-    if args.mode == "auto" and not args.profile:
-        raise ValueError("--mode auto needs --profile (make one with `pdserve profile --quick --out profile.json`)")
     args.placement, args.ray_placement = split_placement(args.placement or [], args.ray_placement,
                                                          args.ray is not None)
+    if args.mode == "auto" and not args.colocated and not args.profile:
+        from pdserve.launcher import node_engine_config
+        from pdserve.plan.profile_cache import profile_for
+
+        args.profile = str(profile_for(node_engine_config(args))[0])  # cached, or measured now (it says which)
     if args.ray is not None:
         if args.ray_cpus <= 0:
             raise ValueError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
@@ -412,10 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     # The flows that route to P and D nodes (colocated nodes alone: --colocated N).
     pd_flows = [name for name, flow in FLOWS.classes().items() if "prefill" in flow.roles]
     up.add_argument("--mode", default="pull", choices=pd_flows,
-                    help="auto: per request, prefill on a P node or on the node that decodes (needs --profile)")
+                    help="auto: per request, prefill on a P node or on the node that decodes (priced by --profile)")
     up.add_argument("--nodes", type=int, default=None, metavar="N",
                     help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")
-    up.add_argument("--profile", default=None, metavar="JSON", help="auto: a `pdserve profile` of this machine")
+    up.add_argument("--profile", default=None, metavar="JSON",
+                    help="auto: a `pdserve profile` of this machine (default: the one cached for this machine, model "
+                         "and node settings, else a quick one measured at start, about 2 minutes, and cached)")
     up.add_argument("--stall-weight", type=float, default=1.0, metavar="W", help="auto: see `pdserve proxy --help`")
     add_placement_args(up, ray=True)
     up.add_argument("--colocated", type=int, default=0, metavar="N",

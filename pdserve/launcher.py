@@ -84,6 +84,19 @@ def node_command(args, model: str | None) -> list[str]:
     return command
 
 
+def node_engine_config(args):
+    """The engine settings every node of `pdserve up` runs (as node_command passes them), one
+    thread like each pinned node: what auto mode's profile must price."""
+    from pdserve.config import EngineConfig
+
+    tp = args.prefill_tp > 1 or args.decode_tp > 1  # TP nodes are not pinned (run_up)
+    return EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant,
+                        threads=None if tp else 1, kv_cache_memory_gib=args.kv_cache_memory,
+                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=not args.no_chunked_prefill)
+
+
 def proxy_command(args, model_dir: str, host: str) -> list[str]:
     """The proxy's `pdserve proxy` options from `pdserve up`'s, its nodes apart."""
     command = ["proxy", "--host", host, "--port", str(args.port), "--policy", args.policy, "--log-level", args.log_level]

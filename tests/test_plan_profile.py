@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.plan.fit import fit_linear
 from pdserve.plan.profile import Profile
+from pdserve.plan.profile_cache import cached_profile_path, profile_for
+from pdserve.platform import KERNELS_ENV
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_fit_recovers_a_known_linear_cost_and_reports_its_error():
@@ -72,3 +80,26 @@ def test_profile_cli_names_a_bad_argument():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "directory /no/such/dir does not exist" in proc.stderr
+
+
+def test_each_machine_model_and_setting_has_its_own_cached_profile(tmp_path, monkeypatch, smollm_dir):
+    """Auto mode's cache (plan/profile_cache.py): one file per machine, model and cost-bearing setting."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    base = EngineConfig(model=str(smollm_dir), threads=1)
+    path = cached_profile_path(base)
+    assert path == cached_profile_path(EngineConfig(model=str(smollm_dir), threads=1))
+    assert path.parent == tmp_path / "profiles" and path.name.startswith(smollm_dir.name + "-")
+    changes = ({"dtype": "bfloat16"}, {"quantization": "int8"}, {"max_num_batched_tokens": 512}, {"threads": 2},
+               {"enable_chunked_prefill": False}, {"kv_cache_dtype": "bfloat16"})
+    others = {cached_profile_path(replace(base, **change)) for change in changes}
+    assert len(others) == len(changes) and path not in others
+    # Where KV goes is not what computing it costs: a P node's settings share the file.
+    assert cached_profile_path(replace(base, kv_transfer=KVTransferConfig(role="prefill"))) == path
+    monkeypatch.setenv(KERNELS_ENV, "portable")
+    assert cached_profile_path(base) != path
+    monkeypatch.delenv(KERNELS_ENV)
+    # A cached profile is used as it is, not measured again.
+    path.parent.mkdir(parents=True)
+    shutil.copy(REPO / "docs/results/profile.json", path)
+    assert profile_for(base) == (path, False)

@@ -3,6 +3,7 @@ while starting (one line naming the error, the others stopped, a non-zero exit a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -145,3 +146,29 @@ def test_placement_flags_that_cannot_hold_stop_up_before_any_node_starts(flags, 
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1] == f"pdserve: error: {error}"
     assert "starting" not in run.stdout
+
+
+def test_up_auto_without_a_profile_measures_one_then_starts_from_the_cached_one(tmp_path, smollm_dir):
+    """`pdserve up --mode auto` with no --profile: the first start measures a quick profile for this
+    machine, model and node settings and caches it; the second finds it. Both say which, both serve."""
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    flags = ["--mode", "auto", "--nodes", "1", "--model", str(smollm_dir), "--kv-cache-memory", "0.15",
+             "--dtype", "float32", "--quantization", "none"]
+    for start, words in ((1, "measuring a quick one"), (2, "using the one cached")):
+        up = up_child(flags, log_path=str(tmp_path / f"up{start}.log"))
+        up.start(env)
+        try:
+            ProcessGroup().wait_ready([up], 420)
+            answer = httpx.post(up.url + "/v1/chat/completions", json=CHAT, timeout=120)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+            assert answer.headers["x-pdserve-placement"] == "local"  # priced, so placed by auto mode
+        finally:
+            assert up.stop(grace_s=30) == 0
+        log = (tmp_path / f"up{start}.log").read_text()
+        assert "auto mode: no --profile given" in log and words in log, log[-3000:]
+        [cached] = (tmp_path / "cache" / "profiles").glob("*.json")
+        assert str(cached) in log
+        profile = json.loads(cached.read_text())
+        assert profile["meta"]["quick"] is True and profile["meta"]["threads"] == 1  # as each pinned node runs
+        assert profile["meta"]["engine"]["quantization"] == "none"

@@ -46,7 +46,8 @@ class AutoFlow(Flow):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if not self.config.profile:
-            raise ValueError("auto mode needs --profile (make one with `pdserve profile --quick --out profile.json`)")
+            raise ValueError("auto mode needs --profile (make one with `pdserve profile --quick --out profile.json`; "
+                             "`pdserve up --mode auto` finds or measures its own)")
         if not self.config.model_dir:
             raise ValueError("auto mode needs the model (--model) to tokenize prompts as the nodes do")
         if self.index is None:
