@@ -60,6 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
+    parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                        help="while streams decode, a step computes at most N prompt tokens (default: the whole budget): bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
     parser.add_argument("--no-prefix-caching", action="store_true")
 
 
@@ -91,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         enable_prefix_caching=not args.no_prefix_caching,
     )
 
@@ -191,11 +194,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         check_node_tp(args)  # a TP size that cannot split the model stops here, before any node starts
     args.placement, args.ray_placement = split_placement(args.placement or [], args.ray_placement,
                                                          args.ray is not None)
+    from pdserve.launcher import node_engine_config
+
+    nodes = node_engine_config(args)  # a bad engine setting stops here, before any node starts
     if args.mode == "auto" and not args.colocated and not args.profile:
-        from pdserve.launcher import node_engine_config
         from pdserve.plan.profile_cache import profile_for
 
-        args.profile = str(profile_for(node_engine_config(args))[0])  # cached, or measured now (it says which)
+        args.profile = str(profile_for(nodes)[0])  # cached, or measured now (it says which)
     if args.ray is not None:
         if args.ray_cpus <= 0:
             raise ValueError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
@@ -266,7 +271,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     slos, rate, requests = workload_from_args(args)
     summary = simulate(profile, setup, requests, rate, args.burstiness, args.seed, slos,
                        args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill,
-                       prefix_caching=False if args.no_prefix_caching else None, placement=args.placement)
+                       prefix_caching=False if args.no_prefix_caching else None, placement=args.placement,
+                       prefill_cap=args.max_prefill_tokens_while_decoding)
     summary["profile"] = args.profile
     publish_run(summary, args)
     return 0
@@ -427,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of P/D: N colocated (--role both) nodes behind the proxy")
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
     up.add_argument("--no-chunked-prefill", action="store_true")
+    up.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                    help="while streams decode, a step computes at most N prompt tokens (default: the whole budget): bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
     up.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)
@@ -465,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--max-num-batched-tokens", type=int, default=None,
                           help="every node's token budget per step (default: the profiled node's)")
     simulate.add_argument("--no-chunked-prefill", action="store_true", help="a prompt is prefilled in one step")
+    simulate.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                          help="every node's cap on prompt tokens per step while streams decode (pdserve serve's)")
     simulate.add_argument("--no-prefix-caching", action="store_true",
                           help="every prompt computed in full (default: cached prefixes reused when the workload "
                                "has conversations or the setup is auto)")

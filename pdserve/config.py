@@ -127,6 +127,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # While streams decode, a step computes at most this many prompt tokens (None: the whole
+    # budget): an inter-token SLO's bound on the stall a long prompt adds to every decoding stream.
+    max_prefill_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -149,4 +152,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and (cap < 1 or not self.enable_chunked_prefill):
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got {cap}"
+                             + ("" if self.enable_chunked_prefill else " with chunked prefill off"))
 

@@ -79,6 +79,8 @@ def node_command(args, model: str | None) -> list[str]:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.no_chunked_prefill:
         command.append("--no-chunked-prefill")
+    if args.max_prefill_tokens_while_decoding is not None:
+        command += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     if args.batch_invariant:
         command.append("--batch-invariant")
     return command
@@ -94,7 +96,8 @@ def node_engine_config(args):
                         kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant,
                         threads=None if tp else 1, kv_cache_memory_gib=args.kv_cache_memory,
                         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_chunked_prefill=not args.no_chunked_prefill)
+                        enable_chunked_prefill=not args.no_chunked_prefill,
+                        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
 
 
 def proxy_command(args, model_dir: str, host: str) -> list[str]:

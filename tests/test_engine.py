@@ -187,3 +187,37 @@ def test_bad_prompts(llm_fp32):
     with pytest.raises(ValueError, match="max_model_len"):
         llm_fp32.generate(too_long, GREEDY)
     assert not llm_fp32.engine.has_unfinished_requests()  # nothing half-queued
+
+
+def test_a_prefill_cap_while_decoding_takes_small_chunks_beside_streams_and_keeps_every_token(llm_fp32, prompts,
+                                                                                              solo_outputs):
+    """--max-prefill-tokens-while-decoding 8: beside a decoding stream a long prompt advances at most 8
+    tokens a step (each of the stream's gaps grows by an 8-token chunk, not by the whole prefill);
+    alone it takes the whole budget; every answer is the one computed alone."""
+    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256,
+              max_num_batched_tokens=256, max_prefill_tokens_while_decoding=8, enable_prefix_caching=False)
+    engine = llm.engine
+    stream = engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.step()
+    assert stream.num_output_tokens == 1  # its prompt in one step: nothing was decoding
+    long = engine.add_request(prompts[-1], GREEDY)
+    assert len(prompts[-1]) > 100
+    advanced = []
+    while long.num_output_tokens == 0:
+        before, tokens = long.num_computed_tokens, stream.num_output_tokens
+        engine.step()
+        advanced.append(long.num_computed_tokens - before)
+        assert stream.num_output_tokens == tokens + 1  # the stream got its token every step
+    assert max(advanced) == 8 and sum(advanced) == len(prompts[-1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    alone = engine.add_request(prompts[-1], GREEDY)
+    engine.step()
+    assert alone.num_computed_tokens == len(prompts[-1])  # no stream decoding: the whole budget
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert long.output_token_ids == alone.output_token_ids == solo_outputs[-1]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == solo_outputs
+    assert engine.block_manager.num_used_blocks == 0
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        LLM(str(llm_fp32.engine.model_dir), max_prefill_tokens_while_decoding=8, enable_chunked_prefill=False)

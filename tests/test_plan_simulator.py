@@ -366,3 +366,19 @@ def test_the_simulator_predicts_each_requests_longest_gap_kept_or_not():
     for summary in (kept, bare):
         assert summary["mean_max_itl_ms"] == pytest.approx(1e3 * sum(longest) / 2)
     assert bare["itls"] == [[], []]
+
+
+def test_a_prefill_cap_while_decoding_bounds_a_streams_longest_gap_to_one_small_chunk():
+    """The same A and B with --max-prefill-tokens-while-decoding 64: beside A's decode, B's prompt
+    advances 64 tokens a step (16 steps instead of 2), so A's longest gap is one 64-token chunk
+    (10 + 64 ms) and its decode, not a 512-token chunk; B's TTFT pays the smaller chunks."""
+    requests = [BenchRequest([0], 100, 40), BenchRequest([0], 1000, 2)]
+    plain = run("colocated:1", requests, rate=10.0)
+    capped = run("colocated:1", requests, rate=10.0, prefill_cap=64)
+    assert max(plain["itls"][0]) > 0.522
+    # A's decode step: 20 + 5 ms and 0.01 ms per KV token (100-140 of them here).
+    assert 0.074 + 0.025 + 100e-5 < max(capped["itls"][0]) < 0.074 + 0.025 + 140e-5
+    assert capped["ttfts"][1] > plain["ttfts"][1]
+    assert capped["max_prefill_tokens_while_decoding"] == 64 and capped["completed"] == 2
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        run("colocated:1", requests, prefill_cap=64, chunked_prefill=False)

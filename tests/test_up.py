@@ -139,8 +139,12 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
     (["--ray-placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),
     (["--placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),  # issue 17's spelling
     (["--placement", "cost", "--placement", "threshold"], "--placement takes one rule, got ['cost', 'threshold']"),
+    (["--no-chunked-prefill", "--max-prefill-tokens-while-decoding", "64"],
+     "max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got 64 with chunked prefill off"),
+    (["--max-prefill-tokens-while-decoding", "0"],
+     "max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got 0"),
 ])
-def test_placement_flags_that_cannot_hold_stop_up_before_any_node_starts(flags, error):
+def test_placement_and_batching_flags_that_cannot_hold_stop_up_before_any_node_starts(flags, error):
     run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), *flags],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr

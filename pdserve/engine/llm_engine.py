@@ -97,6 +97,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, config.enable_chunked_prefill,
             self.connector, self.kv_stats, config.kv_transfer.load_failure_policy,
+            prefill_cap=config.max_prefill_tokens_while_decoding,
         )
         paged = model.decode_attention == "paged"  # the K/V paged attention (models/attention.py), else the model's own
         self.attention = "native" if kernel is not None else "sdpa" if paged else model.decode_attention

@@ -4,6 +4,9 @@ Every request is a number of tokens still to compute (prompt, or one new token w
 Each step the running requests are served first, oldest first, then waiting ones are admitted
 while the budget, `max_num_seqs` and free blocks allow. When blocks run out the newest running
 request is preempted: its blocks are freed and it is recomputed later from its tokens so far.
+With `prefill_cap`, a step that decodes computes at most that many prompt tokens: a long prompt
+then lengthens each gap between the decoding streams' tokens by one such chunk, not by its whole
+prefill (an inter-token SLO); with no stream decoding, prompts take the whole budget.
 
 A request for n sequences is n requests. The first computes the prompt (or loads its KV from a
 prefill node); the others wait until it has, then share its prompt's full blocks (reference
@@ -62,6 +65,7 @@ class Scheduler:
         kv_stats: KVStats | None = None,
         load_failure_policy: str = "recompute",
         clock: Callable[[], float] = time.perf_counter,
+        prefill_cap: int | None = None,
     ) -> None:
         # The time its requests' metrics are stamped with: the wall clock in the engine, a virtual
         # one where a simulator drives this scheduler with modelled step costs (issue 36).
@@ -73,6 +77,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        if prefill_cap is not None and (prefill_cap < 1 or not enable_chunked_prefill):
+            raise ValueError(f"a prefill cap while decoding needs chunked prefill and >= 1 token, got {prefill_cap}")
+        self.prefill_cap = prefill_cap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -102,10 +109,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # Streams decode here: prompt tokens (and recomputed ones) take at most the cap this step.
+        capped = self.prefill_cap is not None and any(r.num_computed_tokens >= r.num_prompt_tokens
+                                                      for r in self.running)
+        prefill_budget = self.prefill_cap if capped else budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if capped and (n > 1 or req.num_computed_tokens < req.num_prompt_tokens):  # not a decode token
+                n = min(n, prefill_budget)
+                if n == 0:  # the cap is spent: it goes on next step
+                    i += 1
+                    continue
+                prefill_budget -= n
             while not self.block_manager.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -117,7 +134,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         if not out.preempted:  # admitting new work while evicting old would just thrash
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, min(budget, prefill_budget))
         now = self.clock()
         for s in out.scheduled:
             if s.request.metrics.first_scheduled_time is None:

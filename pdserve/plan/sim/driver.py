@@ -76,7 +76,8 @@ class SLOWatch:
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
              seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm",
              max_num_batched_tokens: int | None = None, chunked_prefill: bool = True, itls: bool = True,
-             prefix_caching: bool | None = None, placement: str = "cost", give_up_below: float | None = None) -> dict:
+             prefix_caching: bool | None = None, placement: str = "cost", give_up_below: float | None = None,
+             prefill_cap: int | None = None) -> dict:
     """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py).
     Every node runs the profiled node's settings, with the token budget and chunking given here;
     itls=False leaves the per-token gaps out (the planner reads TTFT and TPOT only).
@@ -87,6 +88,7 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     workload has conversations or the setup places by prefix (auto): random prompts share no
     blocks, and hashing them costs the million-request runs time for nothing.
     `placement`: auto mode's rule (`pdserve proxy --placement`), with the SLOs given.
+    `prefill_cap`: every node's --max-prefill-tokens-while-decoding.
 
     `give_up_below`: stop once the SLO attainment cannot reach it (SLOWatch: more requests than it
     allows are past their TTFT deadline without a first token, or finished and missing an SLO) and
@@ -97,7 +99,8 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     gc.disable()  # a run makes millions of short-lived objects and no cycles: the collector's passes are pure cost
     try:
         return _simulate(profile, setup, requests, rate, burstiness, seed, slos, policy, transport,
-                         max_num_batched_tokens, chunked_prefill, itls, prefix_caching, placement, give_up_below)
+                         max_num_batched_tokens, chunked_prefill, itls, prefix_caching, placement, give_up_below,
+                         prefill_cap)
     except GaveUp as stop:
         return {"slo_attainment": stop.at_most, "gave_up": True, "simulated_requests": stop.arrived}
     finally:
@@ -108,11 +111,11 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
 def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
               seed: int, slos: dict[str, float], policy: str, transport: str, max_num_batched_tokens: int | None,
               chunked_prefill: bool, itls: bool, prefix_caching: bool | None, placement: str,
-              give_up_below: float | None) -> dict:
+              give_up_below: float | None, prefill_cap: int | None) -> dict:
     turns = any(req.conversation is not None for req in requests)
     caching = prefix_caching if prefix_caching is not None else setup.mode == "auto" or turns
     sim = Simulation(profile)
-    batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill)
+    batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill, prefill_cap)
     proxy = SimProxy(sim, setup, policy, transport, batching, caching, placement, slos)
     size = batching.block_size
     ids = prompts_of(requests, seed) if caching or turns or setup.mode == "auto" else [None] * len(requests)
@@ -158,6 +161,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
     shape = f"{setup.prefill}P{setup.decode}D" if setup.prefill else f"{setup.decode}"
     summary.update({"setup": f"{setup.mode}:{shape}", "policy": policy, "simulated": True,
                     "max_num_batched_tokens": batching.budget, "chunked_prefill": chunked_prefill,
+                    "max_prefill_tokens_while_decoding": prefill_cap,
                     "prefix_caching": caching, "simulated_requests": len(requests),
                     "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders)})
     if setup.mode == "auto":

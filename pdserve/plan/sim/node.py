@@ -120,7 +120,7 @@ class SimNode:
         self.blocks = BlockManager(limits.num_blocks, limits.block_size, self.prefix_caching, events=self.cached)
         self.connector = connector_for(self.role, self.name, limits.block_size)
         self.scheduler = Scheduler(self.blocks, limits.max_seqs, limits.budget, limits.chunked,
-                                   connector=self.connector, clock=lambda: self.sim.now)
+                                   connector=self.connector, clock=lambda: self.sim.now, prefill_cap=limits.prefill_cap)
 
     @property
     def free_blocks(self) -> int:

@@ -33,16 +33,18 @@ class Setup:
 @dataclass(frozen=True)
 class Batching:
     """A node's scheduler settings (`pdserve serve`'s --max-num-batched-tokens, --no-chunked-prefill,
-    --max-num-seqs) and its KV pool."""
+    --max-prefill-tokens-while-decoding, --max-num-seqs) and its KV pool."""
 
     budget: int
     chunked: bool
     max_seqs: int
     capacity: int  # KV pool, tokens
     block_size: int = 16
+    prefill_cap: int | None = None  # prompt tokens a step takes while streams decode (None: the budget)
 
     @classmethod
-    def of(cls, node: dict, budget: int | None = None, chunked: bool = True) -> Batching:
+    def of(cls, node: dict, budget: int | None = None, chunked: bool = True,
+           prefill_cap: int | None = None) -> Batching:
         """The profiled node's settings, with the token budget and chunking a setup asks for.
         Without chunked prefill the budget is at least max_model_len, as the engine makes it."""
         budget = budget or node["max_num_batched_tokens"]
@@ -50,7 +52,10 @@ class Batching:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
         if not chunked:  # a profile without max_model_len: no prompt is too long for one step
             budget = max(budget, node.get("max_model_len", 1 << 30))
-        return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"], node.get("block_size", 16))
+        if prefill_cap is not None and (prefill_cap < 1 or not chunked):
+            raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 1 and needs chunked prefill, got {prefill_cap}")
+        return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"], node.get("block_size", 16),
+                   prefill_cap)
 
     @property
     def num_blocks(self) -> int:
