@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_plan_simulator import known_profile
 
-from pdserve.plan.planner import Family, Planner
+from pdserve.plan.planner import Family, Planner, families, prefill_cap_for
 from pdserve.plan.sim import Setup, simulate
 from pdserve.workload import mixed_dataset
 
@@ -31,6 +31,23 @@ def test_each_family_gets_its_smallest_passing_size():
         assert choice.meets and choice.summary["slo_attainment"] >= 0.9
         if choice.units > 1:  # one unit fewer misses the target: the size is the smallest
             assert planner.evaluate(family, choice.units - 1)["slo_attainment"] < 0.9
+
+
+def test_under_an_itl_slo_the_planner_also_tries_colocated_nodes_with_a_prefill_cap_that_fits_it():
+    """Known costs: a decode step of 8 streams of 1024 tokens takes 20 + 40 + 81.92 ms; 75 % of a
+    400 ms ITL leaves 158 ms for a chunk of 10 ms + 1 ms/token: 144 tokens (whole blocks)."""
+    profile = known_profile()
+    assert prefill_cap_for(profile, 0.4) == 144 and prefill_cap_for(profile, 0.1) == 16
+    assert Family("colocated", 0, 1, prefill_cap=144) not in families(profile, SLOS)
+    slos = {"ttft_ms": 5000.0, "max_itl_ms": 400.0}
+    assert Family("colocated", 0, 1, prefill_cap=144) in families(profile, slos)
+    planner = Planner(profile, requests(300), 3.0, slos, 0.9, 16)
+    result = planner.plan()
+    capped = [r for r in result["setups"] if r["family"] == "colocated, prefill cap 144 while decoding"]
+    assert len(capped) == 1 and capped[0]["setup"].endswith("(--max-prefill-tokens-while-decoding 144)")
+    # The cap bounds each stream's longest gap: here 3 capped nodes meet the SLOs, plain colocated needs 5.
+    plain = next(r for r in result["setups"] if r["family"] == "colocated")
+    assert capped[0]["meets"] and capped[0]["nodes"] < plain["nodes"]
 
 
 def test_a_unit_with_thinned_arrivals_predicts_the_whole_round_robin_cluster():

@@ -4,7 +4,8 @@
                  [--attainment 0.9] [--max-nodes 1000]
 
 Setups are families of a unit repeated k times: colocated nodes (with or without chunked
-prefill), and pull or push units of x P and y D nodes for the P:D ratios of RATIOS. For each
+prefill; under an ITL SLO also with a prefill cap while decoding that fits it, prefill_cap_for),
+and pull or push units of x P and y D nodes for the P:D ratios of RATIOS. For each
 family the planner finds the smallest k whose simulated SLO attainment reaches the target
 (attainment grows with k), by bisection between 1 and --max-nodes. A bisection step stops its
 simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
@@ -38,6 +39,7 @@ class Family:
     prefill: int
     decode: int
     chunked: bool = True
+    prefill_cap: int | None = None  # colocated: --max-prefill-tokens-while-decoding
 
     @property
     def unit_nodes(self) -> int:
@@ -46,21 +48,37 @@ class Family:
     def setup(self, units: int) -> str:
         """The whole cluster, as `pdserve simulate --setup` and `pdserve up` name it."""
         if self.mode == "colocated":
-            return f"colocated:{units * self.decode}" + ("" if self.chunked else " (no chunked prefill)")
+            flags = ("" if self.chunked else " (no chunked prefill)") + (
+                f" (--max-prefill-tokens-while-decoding {self.prefill_cap})" if self.prefill_cap else "")
+            return f"colocated:{units * self.decode}{flags}"
         return f"{self.mode}:{units * self.prefill}P{units * self.decode}D"
 
     @property
     def name(self) -> str:
         if self.mode == "colocated":
-            return "colocated" + ("" if self.chunked else ", no chunked prefill")
+            return "colocated" + ("" if self.chunked else ", no chunked prefill") + (
+                f", prefill cap {self.prefill_cap} while decoding" if self.prefill_cap else "")
         return f"{self.mode} {self.prefill}P:{self.decode}D"
 
 
-def families() -> list[Family]:
+def families(profile: Profile | None = None, slos: dict[str, float] | None = None) -> list[Family]:
     out = [Family("colocated", 0, 1), Family("colocated", 0, 1, chunked=False)]
+    if profile is not None and slos and "max_itl_ms" in slos:
+        out.append(Family("colocated", 0, 1, prefill_cap=prefill_cap_for(profile, slos["max_itl_ms"] / 1e3)))
     for mode in ("pull", "push"):
         out += [Family(mode, p, d) for p, d in RATIOS]
     return out
+
+
+def prefill_cap_for(profile: Profile, itl_s: float, seqs: int = 8, context: int = 1024, share: float = 0.75) -> int:
+    """The largest prompt chunk (whole blocks of 16) that a step beside `seqs` decoding streams of
+    `context` tokens can take and stay within `share` of the ITL SLO (the rest: serving's hops and
+    the host's noise); 16 where not even that fits."""
+    step = profile.decode_step_time(seqs, seqs * context)
+    cap = 16
+    while cap < 8192 and step + profile.prefill_chunk_time(cap + 16, context) <= share * itl_s:
+        cap += 16
+    return cap
 
 
 @dataclass
@@ -102,7 +120,7 @@ class Planner:
         then holds only an upper bound of it: the bisection needs no more)."""
         setup = Setup(family.mode, family.prefill, family.decode)
         summary = simulate(self.profile, setup, self.requests, self.rate / units, float(units), self.seed, self.slos,
-                           chunked_prefill=family.chunked, itls=False,
+                           chunked_prefill=family.chunked, itls=False, prefill_cap=family.prefill_cap,
                            give_up_below=None if whole else self.attainment)
         self.simulated_requests += summary["simulated_requests"]
         return summary
@@ -127,7 +145,7 @@ class Planner:
 
     def plan(self) -> dict:
         start = time.perf_counter()
-        choices = [c for c in (self.smallest(f) for f in families()) if c is not None]
+        choices = [c for c in (self.smallest(f) for f in families(self.profile, self.slos)) if c is not None]
         passing = sorted((c for c in choices if c.meets), key=lambda c: (c.nodes, -c.summary["slo_attainment"]))
         return {"rate": self.rate, "slos_ms": self.slos, "attainment": self.attainment, "max_nodes": self.max_nodes,
                 "num_prompts": len(self.requests), "pick": row(passing[0], self.rate) if passing else None,
