@@ -11,7 +11,9 @@ profile. The profile gives the costs' shape; their level comes from the idle nod
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
 setup's runs: this shared host's speed drifts by tens of percent within an hour). `--real-from`
-an earlier JSON simulates its real runs again, with its profile or --profile. Prints the error of
+an earlier JSON simulates its real runs again, with its profile or --profile; `--merge-into` one
+runs the given setups for real again on its terms (profile, SLOs, calibration) and replaces them
+there (when other load disturbed a setup's runs). Prints the error of
 each metric: median and p99 TTFT and TPOT and request throughput relative to the real run, SLO
 attainment in points. Targets: medians and throughput within 10 %,
 attainment within 10 points.
@@ -148,24 +150,35 @@ def main() -> None:
                         help="simulate with the profile as measured, not scaled to the machine's speed at each setup")
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="do not set the costs' level from the idle node measured before the runs")
-    parser.add_argument("--real-from", default=None, metavar="JSON",
-                        help="take the real runs, rates and SLOs from an earlier simcheck JSON; simulate again")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--real-from", default=None, metavar="JSON",
+                       help="take the real runs, rates and SLOs from an earlier simcheck JSON; simulate again")
+    again.add_argument("--merge-into", default=None, metavar="JSON",
+                       help="run --setups for real again with that run's profile, rates, SLOs and calibration, and "
+                            "replace them in it (a setup whose runs other load on the host disturbed)")
     args = parser.parse_args()
     args.dtype = plan_kernels(args.dtype).dtype
     earlier = json.loads(Path(args.real_from).read_text()) if args.real_from else None
+    base = json.loads(Path(args.merge_into).read_text()) if args.merge_into else None
     if earlier:
-        args.rates, args.seconds_per_rate, args.setups = earlier["rates"], earlier["seconds_per_rate"], list(earlier["setups"])
-        args.min_prompts = earlier.get("min_prompts", args.min_prompts)
-        args.workload = earlier.get("workload", "mixed")
-        args.dtype = earlier["dtype"]  # the real runs' (this machine's default may differ)
+        args.setups = list(earlier["setups"])
+    for run in (earlier, base):
+        if run:
+            args.rates, args.seconds_per_rate = run["rates"], run["seconds_per_rate"]
+            args.min_prompts = run.get("min_prompts", args.min_prompts)
+            args.workload = run.get("workload", "mixed")
+            args.dtype = run["dtype"]  # the real runs' (this machine's default may differ)
+    if base:
+        args.out = args.merge_into
+    earlier_profile = (earlier or base or {}).get("profile")
 
     suffix = "" if args.workload == "mixed" else f"_{args.workload}"
     args.out = args.out or f"docs/results/simcheck{suffix}.json"
     profile_path = Path(args.out).with_name(f"simcheck{suffix}_profile.json")  # auto mode's nodes read it
     if args.profile:
         profile = Profile.load(args.profile)
-    elif earlier and not args.quick_profile:  # the profile that run measured
-        profile_path.write_text(json.dumps(earlier["profile"]))
+    elif earlier_profile and not args.quick_profile:  # the profile that run measured
+        profile_path.write_text(json.dumps(earlier_profile))
         profile = Profile.load(profile_path)
     else:  # measured alone on the machine, before any node starts
         points = ProfilePoints.quick() if args.quick_profile else ProfilePoints.full()
@@ -173,8 +186,8 @@ def main() -> None:
     if not args.profile:
         profile.save(profile_path)
     print(describe(profile), flush=True)
-    if earlier:
-        idle, slos = earlier["idle"], earlier["slos_ms"]
+    if earlier or base:
+        idle, slos = (earlier or base)["idle"], (earlier or base)["slos_ms"]
     else:
         idle, slos = study_slos(args.dtype, args.ttft_scale, args.tpot_scale)
     print(f"idle latencies {idle}; SLOs {slos}", flush=True)
@@ -188,6 +201,8 @@ def main() -> None:
     # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
     engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
     level, first_drift = idle_level(profile, idle), None
+    if base:  # the drift its idle node was measured at: its first setup's
+        first_drift = next(iter(base["setups"].values()))["drift"]
     res["idle_level"] = level
     for key in args.setups:
         setup = SETUPS[key]
@@ -217,6 +232,9 @@ def main() -> None:
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
     if engine:
         engine.close()
+    if base:  # the setups run again replace theirs; the rest stay as that run measured them
+        res = {**base, "setups": {**base["setups"], **res["setups"]},
+               "reruns": {**base.get("reruns", {}), **{key: res["date"] for key in args.setups}}}
     all_errors = [e for s in res["setups"].values() for e in s["errors"]]
     res["within_targets"] = sum(within_targets(e) for e in all_errors)
     res["points"] = len(all_errors)
@@ -229,6 +247,7 @@ def finish(res: dict, args) -> None:
     png = out.with_suffix(".png")
     plot(res, png)
     again = f"; real runs of {res['real_from']}, simulated again" if res.get("real_from") else ""
+    again += "".join(f"; ({key}) run again on {day} (`--merge-into`)" for key, day in res.get("reruns", {}).items())
     workload = res.get("workload", "mixed")
     body = (f"Command: `python -m pdserve.benchmarks.simcheck --workload {workload} --rates "
             f"{' '.join(f'{r:g}' for r in res['rates'])} --seconds-per-rate {res['seconds_per_rate']:g} "
