@@ -201,6 +201,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         from pdserve.plan.profile_cache import profile_for
 
         args.profile = str(profile_for(nodes)[0])  # cached, or measured now (it says which)
+    if args.mode == "auto" and args.slo and args.max_prefill_tokens_while_decoding is None:
+        itl_prefill_cap(args)
     if args.ray is not None:
         if args.ray_cpus <= 0:
             raise ValueError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
@@ -208,6 +210,22 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         return run_up_ray(args)
     return run_up(args)
+
+
+def itl_prefill_cap(args: argparse.Namespace) -> None:
+    """Auto mode under an ITL SLO: each node also caps the prompt tokens a step takes while streams
+    decode, at the largest chunk the profile says keeps such a step within the SLO."""
+    from pdserve.plan.planner import prefill_cap_for
+    from pdserve.plan.profile import Profile
+    from pdserve.workload import parse_goodput
+
+    itl_ms = parse_goodput(args.slo).get("max_itl_ms")
+    if itl_ms is None or args.no_chunked_prefill:
+        return
+    args.max_prefill_tokens_while_decoding = prefill_cap_for(Profile.load(args.profile), itl_ms / 1e3)
+    logging.getLogger("pdserve").info(
+        "auto mode, ITL SLO %g ms: every node computes at most %d prompt tokens a step while streams decode "
+        "(--max-prefill-tokens-while-decoding; give it to choose another)", itl_ms, args.max_prefill_tokens_while_decoding)
 
 
 def split_placement(values: list[str], ray_placement: str | None, ray: bool) -> tuple[str, str]:

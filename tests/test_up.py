@@ -176,3 +176,30 @@ def test_up_auto_without_a_profile_measures_one_then_starts_from_the_cached_one(
         profile = json.loads(cached.read_text())
         assert profile["meta"]["quick"] is True and profile["meta"]["threads"] == 1  # as each pinned node runs
         assert profile["meta"]["engine"]["quantization"] == "none"
+
+
+def test_up_auto_under_an_itl_slo_caps_each_nodes_prefill_while_decoding(tmp_path, smollm_dir):
+    """--slo itl:1000 in auto mode: every node gets the prefill cap the profile says keeps a step
+    within it (the planner's prefill_cap_for), says so, and reports it in its engine info."""
+    from pdserve.plan.planner import prefill_cap_for
+    from pdserve.plan.profile import Profile
+
+    profile = Path(__file__).resolve().parent.parent / "docs/results/profile.json"
+    cap = prefill_cap_for(Profile.load(profile), 1.0)
+    assert cap > 16  # a cap this profile fits beside a decode step
+    up = up_child(["--mode", "auto", "--nodes", "1", "--model", str(smollm_dir), "--kv-cache-memory", "0.15",
+                   "--profile", str(profile), "--slo", "ttft:60000", "itl:1000"], log_path=str(tmp_path / "up.log"))
+    up.start()
+    try:
+        ProcessGroup().wait_ready([up], 180)
+        deadline = time.monotonic() + 10
+        nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
+        while not all(node["engine"] for node in nodes):
+            assert time.monotonic() < deadline, nodes
+            time.sleep(0.2)
+            nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
+        assert [n["engine"]["max_prefill_tokens_while_decoding"] for n in nodes] == [str(cap)]
+    finally:
+        assert up.stop(grace_s=30) == 0
+    assert f"every node computes at most {cap} prompt tokens a step while streams decode" in \
+        (tmp_path / "up.log").read_text()

@@ -277,7 +277,8 @@ class LLMEngine:
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
                 "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
-                "batch_invariant": str(self.config.batch_invariant).lower()}
+                "batch_invariant": str(self.config.batch_invariant).lower(),
+                "max_prefill_tokens_while_decoding": str(self.config.max_prefill_tokens_while_decoding or "budget")}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""
