@@ -37,6 +37,17 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def nodes_with_engine_info(url: str) -> list[dict]:
+    """The proxy's /v1/nodes once its health poll has read every node's engine_info."""
+    deadline = time.monotonic() + 10
+    nodes = httpx.get(url + "/v1/nodes").json()["nodes"]
+    while not all(node["engine"] for node in nodes):
+        assert time.monotonic() < deadline, nodes
+        time.sleep(0.2)
+        nodes = httpx.get(url + "/v1/nodes").json()["nodes"]
+    return nodes
+
+
 def test_up_with_no_flags_on_an_avx2_only_cpu_answers_the_readme_curl(tmp_path):
     env = {**os.environ, **AVX2_EMULATION}
     env.pop(KERNELS_ENV, None)
@@ -48,13 +59,7 @@ def test_up_with_no_flags_on_an_avx2_only_cpu_answers_the_readme_curl(tmp_path):
         answer = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=120)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
-        # Wait for the proxy's health poll to have read each node's engine_info.
-        deadline = time.monotonic() + 10
-        nodes = httpx.get(url + "/v1/nodes").json()["nodes"]
-        while not all(node["engine"] for node in nodes):
-            assert time.monotonic() < deadline, nodes
-            time.sleep(0.2)
-            nodes = httpx.get(url + "/v1/nodes").json()["nodes"]
+        nodes = nodes_with_engine_info(url)
         for node in nodes:
             assert (node["engine"]["dtype"], node["engine"]["kernels"], node["engine"]["isa"]) == \
                 ("float32", "portable", "AVX2"), node
@@ -113,12 +118,7 @@ def test_up_with_a_tp3_prefill_node_answers_the_readme_curl(tmp_path):
         answer = httpx.post(up.url + "/v1/chat/completions", json=CHAT, timeout=120)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
-        deadline = time.monotonic() + 10
-        nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
-        while not all(node["engine"] for node in nodes):
-            assert time.monotonic() < deadline, nodes
-            time.sleep(0.2)
-            nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
+        nodes = nodes_with_engine_info(up.url)
         assert sorted((n["role"], n["engine"]["tensor_parallel_size"]) for n in nodes) == [
             ("decode", "1"), ("prefill", "3")]
     finally:
@@ -192,12 +192,7 @@ def test_up_auto_under_an_itl_slo_caps_each_nodes_prefill_while_decoding(tmp_pat
     up.start()
     try:
         ProcessGroup().wait_ready([up], 180)
-        deadline = time.monotonic() + 10
-        nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
-        while not all(node["engine"] for node in nodes):
-            assert time.monotonic() < deadline, nodes
-            time.sleep(0.2)
-            nodes = httpx.get(up.url + "/v1/nodes").json()["nodes"]
+        nodes = nodes_with_engine_info(up.url)
         assert [n["engine"]["max_prefill_tokens_while_decoding"] for n in nodes] == [str(cap)]
     finally:
         assert up.stop(grace_s=30) == 0
