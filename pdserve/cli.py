@@ -290,7 +290,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     summary = simulate(profile, setup, requests, rate, args.burstiness, args.seed, slos,
                        args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill,
                        prefix_caching=False if args.no_prefix_caching else None, placement=args.placement,
-                       prefill_cap=args.max_prefill_tokens_while_decoding)
+                       prefill_cap=args.max_prefill_tokens_while_decoding, one_host=args.one_host)
     summary["profile"] = args.profile
     publish_run(summary, args)
     return 0
@@ -493,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--no-chunked-prefill", action="store_true", help="a prompt is prefilled in one step")
     simulate.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                           help="every node's cap on prompt tokens per step while streams decode (pdserve serve's)")
+    simulate.add_argument("--one-host", action="store_true",
+                          help="every node on its own core of this one host, as `pdserve up` starts them: a step "
+                               "runs slower while another node computes (the profile's co-run factors)")
     simulate.add_argument("--no-prefix-caching", action="store_true",
                           help="every prompt computed in full (default: cached prefixes reused when the workload "
                                "has conversations or the setup is auto)")

@@ -68,7 +68,11 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     for fit in (profile.prefill_chunk, profile.decode_step):
         assert fit.mean_rel_error < 0.35, fit
     data = json.loads(out.read_text())
-    assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "speed", "serving"}
+    assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "speed", "serving",
+                         "corun"}
+    # Beside a twin engine on the other core: measured, and no faster than alone by more than noise.
+    assert set(profile.corun) == {"prefill", "decode"} and all(f > 0.8 for f in profile.corun.values())
+    assert "beside another busy core of this host" in stdout
     assert profile.speed["prefill_s"] > profile.speed["decode_s"] > 0  # a 512-token chunk against one decode step
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
     assert len(samples["serving_probes"]) == 6 and all(p["ttft_s"] > 0 for p in samples["serving_probes"])

@@ -104,6 +104,34 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     assert a.result().output_len == 50 and b.result().output_len == 5 and node.free_blocks == blocks
 
 
+def test_on_one_host_a_node_steps_slower_while_another_computes():
+    """Co-run factors x1.5 (prefill) and x2 (decode). A (100 -> 3) computes alone from 0; B (100 ->
+    6) arrives on the other node at 0.12 s, in A's first decode step: B's prefill runs x1.5 and A's
+    decode run is cut at that step, its next step x2. Once A is done B decodes alone again."""
+    profile = known_profile()
+    profile.corun = {"prefill": 1.5, "decode": 2.0}
+    sim = Simulation(profile, one_host=True)
+    batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
+    first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
+    a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 6), 0.12)
+    sim.at(0.0, lambda: first.submit(Job(0, 100, 3, a, lambda t: None)))
+    sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
+    sim.run()
+    step = [0.025 + kv * 1e-5 for kv in range(101, 106)]  # one sequence's decode step at 101.. KV tokens
+    assert a.result().ttft_ms == pytest.approx(110.0)  # 10 + 100 ms, alone
+    assert a.result().itls_ms == pytest.approx([step[0] * 1e3, 2 * step[1] * 1e3])
+    assert b.result().ttft_ms == pytest.approx(1.5 * 110.0)
+    assert b.result().itls_ms == pytest.approx([x * 1e3 for x in step])  # A finished at 0.188 s, B at 0.275
+    # Not on one host (the planner's clusters): no factor.
+    sim = Simulation(profile)
+    first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
+    a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 6), 0.12)
+    sim.at(0.0, lambda: first.submit(Job(0, 100, 3, a, lambda t: None)))
+    sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
+    sim.run()
+    assert a.result().itls_ms == pytest.approx([x * 1e3 for x in step[:2]]) and b.result().ttft_ms == pytest.approx(110.0)
+
+
 def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():
     """A pool of 4 blocks of 16 tokens; A and B (16-token prompts, 20 tokens out; B admitted with
     A's first decode, one token behind) fill it when A has 32 tokens. A's next block preempts B, the

@@ -75,7 +75,7 @@ def simulated_points(profile: Profile, key: str, rates: list[float], seconds_per
     setup = SETUPS[key]
     return [simulate(profile, Setup.parse(setup.simulated),
                      sweep_workload(workload, i, rate, seconds_per_rate, min_prompts), rate, 1.0, i, slos,
-                     max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked)
+                     max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked, one_host=True)
             for i, rate in enumerate(rates)]
 
 

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS
+from pdserve.plan.corun import pinned, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, one_start
 from pdserve.platform import CpuInfo
@@ -43,6 +44,7 @@ PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 DECODE_FEATURES = ["one", "seqs", "kv_tokens"]
 TRANSFER_FEATURES = ["one", "bytes"]
 NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}  # profiles from before they were measured
+NO_CORUN = {"prefill": 1.0, "decode": 1.0}  # one core, or a profile from before it was measured
 
 
 @dataclass
@@ -84,6 +86,9 @@ class Profile:
     # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
     # for streaming the tokens to the client (the first arrives that much later), step_s per step.
     serving: dict = field(default_factory=lambda: dict(NO_SERVING))
+    # How much slower (speed_index) prefill and decode run while a twin engine computes on another
+    # core of this host (plan/corun.py): nodes that share a host, as `pdserve up` starts them.
+    corun: dict = field(default_factory=lambda: dict(NO_CORUN))
 
     def prefill_time(self, prompt_tokens: int, chunk_size: int, cached_tokens: int = 0) -> float:
         """Predicted seconds to prefill a prompt in chunks of `chunk_size` after `cached_tokens`."""
@@ -130,7 +135,8 @@ class Profile:
                              f"not of {model!r}")
         return cls(data["meta"], LinearFit.from_dict(data["prefill_chunk"]), LinearFit.from_dict(data["decode_step"]),
                    {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
-                   data.get("samples", {}), data.get("speed", {}), {**NO_SERVING, **data.get("serving", {})})
+                   data.get("samples", {}), data.get("speed", {}), {**NO_SERVING, **data.get("serving", {})},
+                   {**NO_CORUN, **data.get("corun", {})})
 
     def speed_factors(self, now: dict) -> dict[str, float]:
         """How much slower (> 1) prefill and decode run `now` (speed_index) than when this profile
@@ -247,6 +253,19 @@ def measure_transfers(points: ProfilePoints) -> list[dict]:
     return samples
 
 
+def corun_factors(engine: LLMEngine, config: EngineConfig, seed: int) -> dict[str, float]:
+    """speed_index on one core while a twin engine computes on another, over speed_index alone on
+    it; 1.0 where this process may use one core only."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return dict(NO_CORUN)
+    with pinned(cores[0]):
+        alone = speed_index(engine, seed)
+        with twin_busy(replace(config, kv_transfer=KVTransferConfig()), cores[1]):
+            beside = speed_index(engine, seed + 500)
+    return {k: beside[f"{k}_s"] / alone[f"{k}_s"] for k in ("prefill", "decode")}
+
+
 def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> Profile:
     engine = LLMEngine(config)
     try:
@@ -258,6 +277,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         prefill = measure_prefill(engine, points, seed)
         decode = measure_decode(engine, points, seed + 1000, node["kv_capacity_tokens"])
         speed = speed_index(engine, seed + 2000)
+        corun = corun_factors(engine, config, seed + 3000)
         labels = engine.labels()
         model = engine.model_dir.name
     finally:
@@ -282,6 +302,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
                       {"prefill": prefill, "decode": decode, "transfer": transfers,
                        "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]})
     profile.speed = speed
+    profile.corun = corun
     profile.serving = serving_overheads(profile, starts[0]["probes"])
     return profile
 
@@ -317,6 +338,8 @@ def describe(profile: Profile) -> str:
     lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop, "
                  f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
+    lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
+                 f"decode x{profile.corun['decode']:.2f}")
     lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
                  f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")
     return "\n".join(lines)

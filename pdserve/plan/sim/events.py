@@ -41,9 +41,13 @@ class Costs:
 
 
 class Simulation:
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, one_host: bool = False) -> None:
         self.profile = profile
         self.costs = Costs.of(profile)
+        # Every node on one core of one host (as `pdserve up` starts them): a step runs the
+        # profile's co-run factors slower while another node computes (plan/corun.py).
+        self.corun = (profile.corun["prefill"], profile.corun["decode"]) if one_host else None
+        self.nodes: list = []  # the SimNodes, which tell each other when they start and stop computing
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()

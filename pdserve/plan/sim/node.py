@@ -105,6 +105,7 @@ class SimNode:
     prefix_caching: bool = False
     role: str = "both"  # both (colocated) | prefill | decode
     busy: bool = False
+    active: bool = False  # computing step after step (busy between steps too): others on its host slow down
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
     preemptions: int = 0
@@ -121,6 +122,7 @@ class SimNode:
         self.connector = connector_for(self.role, self.name, limits.block_size)
         self.scheduler = Scheduler(self.blocks, limits.max_seqs, limits.budget, limits.chunked,
                                    connector=self.connector, clock=lambda: self.sim.now, prefill_cap=limits.prefill_cap)
+        self.sim.nodes.append(self)
 
     @property
     def free_blocks(self) -> int:
@@ -189,20 +191,24 @@ class SimNode:
             return  # the head of the queue waits for KV to be freed
         costs = self.sim.costs
         self.busy = True
+        if not self.active:
+            self.active = True
+            self._tell_host()
+        slow_prefill, slow_decode = self._corun()
         decodes = [s for s in out.scheduled if is_decode(s)]
         kv_tokens = sum(s.request.num_tokens for s in decodes)  # the token fed this step included
         steps = self.scheduler.steady_decode_steps(out, NEVER)
         if steps == 1:
-            seconds = sum(costs.chunk(s.num_new_tokens, s.request.num_computed_tokens)
-                          for s in out.scheduled if not is_decode(s))
-            seconds += costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
+            seconds = slow_prefill * sum(costs.chunk(s.num_new_tokens, s.request.num_computed_tokens)
+                                         for s in out.scheduled if not is_decode(s))
+            seconds += slow_decode * costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
             self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(out))
             return
         # Every running request decodes and no waiting one can be admitted meanwhile: the batch stays
         # the same until one finishes, blocks run out, or new work arrives (submit cuts the run
         # short). Its steps are one event.
-        first = max(costs.step(len(decodes), kv_tokens), 0.0)
-        growth = max(costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
+        first = max(slow_decode * costs.step(len(decodes), kv_tokens), 0.0)
+        growth = max(slow_decode * costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
         self.run = DecodeRun(self.sim.now, first, growth, steps, out)
         self.run_token += 1
         token = self.run_token
@@ -253,6 +259,25 @@ class SimNode:
                 job.on_done(now)
         self.busy = False
         self._maybe_step()
+        if not self.busy and self.active:  # out of work: the host's other nodes speed up
+            self.active = False
+            self._tell_host()
+
+    def _corun(self) -> tuple[float, float]:
+        """(prefill, decode) slow-down of a step starting now: the co-run factors while another
+        node of the host computes (Simulation(one_host=True)), else none."""
+        corun = self.sim.corun
+        if corun is None or not any(n.active for n in self.sim.nodes if n is not self):
+            return 1.0, 1.0
+        return corun
+
+    def _tell_host(self) -> None:
+        """This node started or stopped computing: the host's other nodes end their decode runs
+        with the step in progress, and cost the next ones at their new speed."""
+        if self.sim.corun is not None:
+            for node in self.sim.nodes:
+                if node is not self and node.run is not None:
+                    node._cut_run()
 
 
 class CachedHashes(set):
