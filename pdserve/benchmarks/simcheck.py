@@ -196,7 +196,8 @@ def main() -> None:
     res: dict = {"date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "workload": args.workload, "rates": args.rates,
                  "seconds_per_rate": args.seconds_per_rate, "min_prompts": args.min_prompts, "slos_ms": slos,
                  "idle": idle, "profile": asdict(profile), "profile_source": source, "setups": {},
-                 "real_from": (earlier.get("real_from") or earlier["date"]) if earlier else None}
+                 "real_from": (earlier.get("real_from") or earlier["date"]) if earlier else None,
+                 "reruns": earlier.get("reruns", {}) if earlier else {}}
     # The machine's speed now, before and after each setup's runs, against the profile's: a
     # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
     engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
