@@ -15,7 +15,7 @@ an earlier JSON simulates its real runs again, with its profile or --profile; `-
 runs the given setups for real again on its terms (profile, SLOs, calibration) and replaces them
 there (when other load disturbed a setup's runs). Prints the error of
 each metric: median and p99 TTFT and TPOT and request throughput relative to the real run, SLO
-attainment in points. Targets: medians and throughput within 10 %,
+attainment in points. Targets: medians and throughput within 10 %, p99s within 20 %,
 attainment within 10 points.
 
 Setups: the study's (a) colocated x2, (b) with chunked prefill, (c) 1P1D pull, (d) 1P1D push, and
@@ -56,6 +56,7 @@ from pdserve.platform import plan_kernels
 
 RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")
 MEDIANS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")  # the ones the 10 % target covers
+P99S = ("p99_ttft_ms", "p99_tpot_ms")  # within 20 %
 SETUPS = {**STUDY_SETUPS, "e": StudySetup("e", "1P1D auto (cost)", ("--mode", "auto"), "auto:1P1D")}
 
 
@@ -67,7 +68,9 @@ def errors(real: dict, simulated: dict) -> dict[str, float]:
 
 
 def within_targets(err: dict[str, float]) -> bool:
-    return all(abs(err[key]) <= 0.10 for key in MEDIANS) and abs(err["slo_attainment_points"]) <= 10
+    """Issue 36's: medians and throughput within 10 %, p99s within 20 %, attainment within 10 points."""
+    return (all(abs(err[key]) <= 0.10 for key in MEDIANS) and all(abs(err[key]) <= 0.20 for key in P99S)
+            and abs(err["slo_attainment_points"]) <= 10)
 
 
 def simulated_points(profile: Profile, key: str, rates: list[float], seconds_per_rate: float, min_prompts: int,
@@ -242,6 +245,15 @@ def main() -> None:
     finish(res, args)
 
 
+def corun_note(res: dict) -> str:
+    """The co-run factors the simulation applied (every node on one core of this host)."""
+    corun = res["profile"].get("corun")
+    if not corun:
+        return ""
+    return (f". Every node on its own core of this host: a step ran x{corun['prefill']:.2f} (prefill) and "
+            f"x{corun['decode']:.2f} (decode) slower while another node computed (the profile's co-run factors)")
+
+
 def finish(res: dict, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -258,8 +270,9 @@ def finish(res: dict, args) -> None:
             f"{table(res)}\n\nCost factors (prefill, decode) per setup, idle level x drift: "
             + ", ".join(f"({k}) x{v['cost_factors']['prefill']:.2f} / x{v['cost_factors']['decode']:.2f}"
                         for k, v in res["setups"].items())
+            + corun_note(res)
             + f".\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
-            f"throughput within 10 %, attainment within 10 points).\n\n![simulated against real]({png.name})")
+            f"throughput within 10 %, p99s within 20 %, attainment within 10 points).\n\n![simulated against real]({png.name})")
     section = "simcheck" if workload == "mixed" else f"simcheck_{workload}"
     publish(res, str(out), section, f"Simulator against real runs (simcheck, {workload})", body)
 
