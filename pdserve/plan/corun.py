@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pdserve.config import EngineConfig
 
