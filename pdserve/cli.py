@@ -44,6 +44,10 @@ def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
                              "docs/benchmarks.md)")
 
 
+PREFILL_CAP_HELP = ("while streams decode, a step computes at most N prompt tokens (default: the whole budget): "
+                    "bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_arg(parser)
@@ -61,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
     parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
-                        help="while streams decode, a step computes at most N prompt tokens (default: the whole budget): bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
+                        help=PREFILL_CAP_HELP)
     parser.add_argument("--no-prefix-caching", action="store_true")
 
 
@@ -452,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
     up.add_argument("--no-chunked-prefill", action="store_true")
     up.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
-                    help="while streams decode, a step computes at most N prompt tokens (default: the whole budget): bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
+                    help=PREFILL_CAP_HELP)
     up.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     up.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     up.add_argument("--port", type=int, default=8000)

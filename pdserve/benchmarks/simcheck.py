@@ -186,7 +186,6 @@ def main() -> None:
     else:  # measured alone on the machine, before any node starts
         points = ProfilePoints.quick() if args.quick_profile else ProfilePoints.full()
         profile = run_profile(EngineConfig(dtype=args.dtype, threads=1), points)
-    if not args.profile:
         profile.save(profile_path)
     print(describe(profile), flush=True)
     if earlier or base:

@@ -3,9 +3,10 @@ while another one computes beside it.
 
 `pdserve up` runs every node on its own core of one host. The cores are not independent: they
 share caches, memory bandwidth and, on a VM, perhaps a physical core (SMT). A profile measured
-with one engine alone predicts the steps of a lone node; two busy nodes each step slower (on the
-2-vCPU hosts here simcheck's TPOT came out 20-30 % under the real runs'). The profile records the
-ratio (Profile.corun) and the simulator applies it while another node of the host computes.
+with one engine alone predicts the steps of a lone node; two busy nodes may each step slower. The
+profile records the ratio (Profile.corun) and the simulator applies it while another node of the
+host computes. On the 2-vCPU AMX Xeon where it was first measured it is x1.00: it did not explain
+simcheck's low TPOT there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
