@@ -250,13 +250,16 @@ def split_placement(values: list[str], ray_placement: str | None, ray: bool) -> 
 def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pdserve.plan.profile import ProfilePoints, describe, run_profile
+    from pdserve.plan.profile import Profile, ProfilePoints, describe, refit, run_profile
 
     out = Path(args.out)
     if not out.parent.is_dir():
         raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
-    config = engine_config_from_args(args)
-    profile = run_profile(config, ProfilePoints.quick() if args.quick else ProfilePoints.full(), args.seed)
+    if args.refit:
+        profile = refit(Profile.load(args.refit, flag="--refit"))
+    else:
+        config = engine_config_from_args(args)
+        profile = run_profile(config, ProfilePoints.quick() if args.quick else ProfilePoints.full(), args.seed)
     profile.save(out)
     print(describe(profile))
     print(f"wrote {out}")
@@ -482,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="measure this machine's engine and fit a cost model (for planning)")
     add_engine_args(profile)
     profile.add_argument("--quick", action="store_true", help="fewer points: under a minute here")
+    profile.add_argument("--refit", default=None, metavar="JSON",
+                         help="measure nothing: fit this pdserve's cost models again to the samples that profile holds")
     profile.add_argument("--out", required=True, help="where to write the profile (JSON)")
     profile.add_argument("--seed", type=int, default=0, help="seed of the random token prompts")
     profile.set_defaults(func=cmd_profile)

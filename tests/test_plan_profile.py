@@ -6,16 +6,17 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.plan.fit import fit_linear
-from pdserve.plan.profile import Profile
+from pdserve.plan.profile import Profile, decode_features
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
 from pdserve.platform import KERNELS_ENV
+from pdserve.proxy.costs import CostModel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,6 +30,25 @@ def test_fit_recovers_a_known_linear_cost_and_reports_its_error():
     assert fit.predict({"seqs": 3, "kv_tokens": 3000}) == pytest.approx(0.02 + 0.003 + 0.006)
     noisy = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(times)]  # +-10 %: the error shows it (the fit absorbs some)
     assert 0.02 < fit_linear(rows, noisy, ["one", "seqs", "kv_tokens"]).mean_rel_error <= 0.10
+
+
+def test_decode_fit_follows_each_measured_batch_size_where_a_line_cannot():
+    """Per-sequence cost that falls at 32 sequences (as int4 decode does here): the hinges at the
+    measured batch sizes pass through every one; one straight line in seqs misses them."""
+    base = {1: 0.012, 2: 0.014, 4: 0.023, 8: 0.037, 16: 0.060, 32: 0.065}
+    rows = [{"seqs": b, "kv_tokens": b * c} for b in base for c in (128, 512, 2048)]
+    times = [base[r["seqs"]] + 3.7e-6 * r["kv_tokens"] for r in rows]
+    features = decode_features([r["seqs"] for r in rows])
+    assert features == ["one", "seqs", "kv_tokens", "seqs>2", "seqs>4", "seqs>8", "seqs>16"]
+    fit = fit_linear(rows, times, features)
+    assert fit.max_rel_error < 1e-9
+    assert fit.predict({"seqs": 6, "kv_tokens": 0}) == pytest.approx((0.023 + 0.037) / 2)  # interpolated
+    assert fit_linear(rows, times, ["one", "seqs", "kv_tokens"]).max_rel_error > 0.15
+    costs = CostModel.of({"prefill_chunk": {"features": ["one", "tokens", "attention_pairs"], "coefficients": [0, 0, 0]},
+                          "decode_step": asdict(fit), "transfer": {},
+                          "meta": {"node": {"kv_bytes_per_token": 1, "max_num_batched_tokens": 512}}})
+    for seqs, kv in ((1, 100), (6, 3000), (12, 5000), (32, 9000), (40, 9000)):
+        assert costs.step_s(seqs, kv) == pytest.approx(fit.predict({"seqs": seqs, "kv_tokens": kv}))
 
 
 def test_fit_refuses_too_few_samples_and_bad_times():
@@ -54,10 +74,11 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     assert "decode step" in stdout and "prefill chunk" in stdout and f"wrote {out}" in stdout
     assert profile.meta["quick"] is True and profile.meta["engine"]["quantization"] == "none"
     samples = profile.samples
-    # Every planned point ran: 4 prompt lengths x 2 chunk sizes, decodes at 4 (batch, context) points.
+    # Every planned point ran: 4 prompt lengths x 2 chunk sizes, decodes at 6 (batch, context) points.
     assert {(s["prompt_tokens"], s["chunk_size"]) for s in samples["prefill"]} == {
         (n, c) for n in (16, 128, 512, 1024) for c in (256, 1024)}
-    assert {(s["seqs"], s["context"]) for s in samples["decode"]} == {(1, 128), (8, 128), (1, 1024), (8, 1024)}
+    assert {(s["seqs"], s["context"]) for s in samples["decode"]} == {(b, c) for b in (1, 4, 8) for c in (128, 1024)}
+    assert profile.decode_step.features == ["one", "seqs", "kv_tokens", "seqs>4"]
     assert set(profile.transfer) == {s["transport"] for s in samples["transfer"]} == {"tcp", "shm"}
     assert profile.startup_s > 0
     # A chunk of 512 after 512 tokens costs more than one of 512 alone (attention).
@@ -77,6 +98,25 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
     assert len(samples["serving_probes"]) == 6 and all(p["ttft_s"] > 0 for p in samples["serving_probes"])
     assert 0 <= profile.serving["request_s"] < 1.0 and 0 <= profile.serving["step_s"] < 0.1
+
+
+def test_refit_fits_the_recorded_samples_again_without_measuring(quick_profile, tmp_path):
+    out, _ = quick_profile
+    again = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--refit", str(out), "--out", str(again)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = Profile.load(out), Profile.load(again)
+    assert after.decode_step.coefficients == pytest.approx(before.decode_step.coefficients, rel=1e-6)
+    assert after.prefill_chunk.coefficients == pytest.approx(before.prefill_chunk.coefficients, rel=1e-6)
+    assert (after.speed, after.corun, after.samples) == (before.speed, before.corun, before.samples)
+    assert "refit" in after.meta and "refit" not in before.meta
+    bare = json.loads(out.read_text())
+    bare["samples"] = {}
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--refit", str(tmp_path / "bare.json"),
+                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "holds no samples to fit again" in proc.stderr
 
 
 def test_profile_cli_names_a_bad_argument():

@@ -203,8 +203,10 @@ def main() -> None:
     # The machine's speed now, before and after each setup's runs, against the profile's: a
     # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
     engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
-    level, first_drift = idle_level(profile, idle), None
-    if base:  # the drift its idle node was measured at: its first setup's
+    # The drift the idle node was measured at (that of the first setup run after it), as recorded:
+    # a setup run again later (--merge-into) records its own.
+    level, first_drift = idle_level(profile, idle), (earlier or base or {}).get("idle_drift")
+    if base and not first_drift:  # a run recorded before idle_drift was: its first setup's
         first_drift = next(iter(base["setups"].values()))["drift"]
     res["idle_level"] = level
     for key in args.setups:
@@ -219,7 +221,7 @@ def main() -> None:
             speed += [speed_index(engine, seed + 1000)] if engine else []
         now = {k: statistics.mean(s[k] for s in speed) for k in ("prefill_s", "decode_s")} if speed else {}
         drift = profile.speed_factors(now) if now else {"prefill": 1.0, "decode": 1.0}
-        first_drift = first_drift or drift  # the idle node was measured just before the first setup
+        first_drift = res["idle_drift"] = first_drift or drift  # the idle node was measured just before it
         factors = {k: level[k] * drift[k] / first_drift[k] for k in level} if args.calibrate else drift
         print(f"[{key}] costs scaled by prefill x{factors['prefill']:.2f}, decode x{factors['decode']:.2f} "
               f"(machine drift against the profile: x{drift['prefill']:.2f}, x{drift['decode']:.2f})", flush=True)

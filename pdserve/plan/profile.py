@@ -7,7 +7,10 @@
   chunk = a + b * tokens + c * tokens * (context before + tokens / 2), the last term the pairs that
   causal attention scores;
 - decode: the time of one decode step against the batch size and the context it reads. Model:
-  step = a + b * seqs + c * kv_tokens (the KV the step reads, summed over its sequences);
+  step = a + b * seqs + c * kv_tokens (the KV the step reads, summed over its sequences) + a hinge
+  d_k * max(0, seqs - k) at each batch size k measured between the smallest and the largest: the
+  step's cost follows the measured batch sizes piecewise-linearly (one straight line in seqs
+  missed the 4-16-sequence steps by 13-20 % here, bent by the cheaper 32-sequence ones);
 - KV transfer: the time to pull a request's blocks from another process, per transport, against
   bytes. Model: transfer = latency + bytes / bandwidth;
 - start-up: a node process from start to its first 200 on /health.
@@ -35,13 +38,13 @@ from pdserve.plan.corun import pinned, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, one_start
 from pdserve.platform import CpuInfo
+from pdserve.proxy.costs import DECODE_BASE, decode_hinges
 from pdserve.sampling_params import SamplingParams
 from pdserve.workload import random_prompts
 
 logger = logging.getLogger(__name__)
 
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
-DECODE_FEATURES = ["one", "seqs", "kv_tokens"]
 TRANSFER_FEATURES = ["one", "bytes"]
 NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}  # profiles from before they were measured
 NO_CORUN = {"prefill": 1.0, "decode": 1.0}  # one core, or a profile from before it was measured
@@ -68,7 +71,7 @@ class ProfilePoints:
 
     @classmethod
     def quick(cls) -> ProfilePoints:
-        return cls([16, 128, 512, 1024], [256, 1024], [1, 8], [128, 1024], 6, 8192, [4, 16], 1)
+        return cls([16, 128, 512, 1024], [256, 1024], [1, 4, 8], [128, 1024], 6, 8192, [4, 16], 1)
 
 
 @dataclass
@@ -112,10 +115,10 @@ class Profile:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, path: Path | str, model: str | None = None) -> Profile:
-        """The profile at `path`; ValueError in one line when it is missing, not a profile, made
-        with other cost models than this pdserve fits, or (with `model`) of another model."""
-        where = f"--profile {path}"
+    def load(cls, path: Path | str, model: str | None = None, flag: str = "--profile") -> Profile:
+        """The profile at `path`; ValueError in one line, naming `flag`, when it is missing, not a
+        profile, made with other cost models than this pdserve fits, or (with `model`) of another model."""
+        where = f"{flag} {path}"
         if not Path(path).is_file():
             raise ValueError(f"{where}: no such file (make one with `pdserve profile --out ...`)")
         try:
@@ -126,10 +129,13 @@ class Profile:
                    if not isinstance(data, dict) or k not in data]
         if missing:
             raise ValueError(f"{where}: not a pdserve profile (no {', '.join(missing)})")
-        for key, features in (("prefill_chunk", PREFILL_FEATURES), ("decode_step", DECODE_FEATURES)):
-            if data[key].get("features") != features:
-                raise ValueError(f"{where}: its {key} model has features {data[key].get('features')}, this pdserve "
-                                 f"reads {features}: measure it again with `pdserve profile`")
+        try:
+            decode_hinges(data["decode_step"])
+            if data["prefill_chunk"].get("features") != PREFILL_FEATURES:
+                raise ValueError(f"its prefill_chunk model has features {data['prefill_chunk'].get('features')}, "
+                                 f"this pdserve reads {PREFILL_FEATURES}")
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{where}: {e}: measure it again with `pdserve profile`") from None
         if model is not None and model not in str(data["meta"].get("model", "")):
             raise ValueError(f"{where}: a profile of {data['meta'].get('model', 'an unnamed model')!r}, "
                              f"not of {model!r}")
@@ -285,26 +291,50 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     transfers = measure_transfers(points)
     starts = [one_start(config.dtype, config.model, probes=6 if i == 0 else 0) for i in range(points.startup_runs)]
 
+    cpu = CpuInfo.detect()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "engine": labels,
+            "node": node, "quick": points == ProfilePoints.quick()}
+    samples = {"prefill": prefill, "decode": decode, "transfer": transfers,
+               "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]}
+    profile = fitted(meta, samples, statistics.median(s["startup_s"] for s in starts))
+    profile.speed = speed
+    profile.corun = corun
+    return profile
+
+
+def fitted(meta: dict, samples: dict, startup_s: float) -> Profile:
+    """A profile of these measurements: each cost model fitted to its samples."""
+    prefill, decode, transfers = samples["prefill"], samples["decode"], samples["transfer"]
     prefill_fit = fit_linear([chunk_features(s["tokens"], s["context_before"]) for s in prefill],
                              [s["seconds"] for s in prefill], PREFILL_FEATURES)
-    decode_fit = fit_linear(decode, [s["seconds"] for s in decode], DECODE_FEATURES)
+    decode_fit = fit_linear(decode, [s["seconds"] for s in decode], decode_features([s["seqs"] for s in decode]))
     transfer_fits = {}
     for transport in TRANSPORTS:
         rows = [s for s in transfers if s["transport"] == transport]
         transfer_fits[transport] = fit_linear(rows, [s["seconds"] for s in rows], TRANSFER_FEATURES)
-    cpu = CpuInfo.detect()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "engine": labels,
-            "node": node, "quick": points == ProfilePoints.quick(),
-            "models": {"prefill_chunk": "a + b * tokens + c * tokens * (context_before + tokens / 2)",
-                       "decode_step": "a + b * seqs + c * kv_tokens", "transfer": "latency + bytes / bandwidth"}}
-    profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, statistics.median(s["startup_s"] for s in starts),
-                      {"prefill": prefill, "decode": decode, "transfer": transfers,
-                       "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]})
-    profile.speed = speed
-    profile.corun = corun
-    profile.serving = serving_overheads(profile, starts[0]["probes"])
+    meta = {**meta, "models": {"prefill_chunk": "a + b * tokens + c * tokens * (context_before + tokens / 2)",
+                               "decode_step": "a + b * seqs + c * kv_tokens + sum_k d_k * max(0, seqs - k)",
+                               "transfer": "latency + bytes / bandwidth"}}
+    profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, startup_s, samples)
+    profile.serving = serving_overheads(profile, samples["serving_probes"])
     return profile
+
+
+def refit(profile: Profile) -> Profile:
+    """`pdserve profile --refit`: this pdserve's cost models fitted again to the samples an earlier
+    profile recorded (its speed index and co-run factors kept), without measuring anything."""
+    if not all(profile.samples.get(k) for k in ("prefill", "decode", "transfer", "serving_probes")):
+        raise ValueError(f"--refit: the profile of {profile.meta.get('date', '?')} holds no samples to fit again "
+                         f"(measure it again with `pdserve profile`)")
+    again = fitted({**profile.meta, "refit": time.strftime("%Y-%m-%d %H:%M:%S")}, profile.samples, profile.startup_s)
+    return replace(again, speed=profile.speed, corun=profile.corun)
+
+
+def decode_features(batches: list[int]) -> list[str]:
+    """The decode-step model's features: a hinge at each measured batch size between the smallest
+    and the largest, so that the fit passes through every measured batch size."""
+    return DECODE_BASE + [f"seqs>{b}" for b in sorted(set(batches))[1:-1]]
 
 
 def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
@@ -327,7 +357,9 @@ def describe(profile: Profile) -> str:
     lines.append(f"  prefill chunk = {p.coefficients[0] * 1e3:.2f} ms + {p.coefficients[1] * 1e6:.1f} us/token + "
                  f"{p.coefficients[2] * 1e9:.3f} ns/attention pair   (error mean {p.mean_rel_error:.1%}, "
                  f"max {p.max_rel_error:.1%}, {p.samples} chunks)")
-    lines.append(f"  decode step   = {d.coefficients[0] * 1e3:.2f} ms + {d.coefficients[1] * 1e3:.2f} ms/seq + "
+    batches = sorted({s["seqs"] for s in profile.samples.get("decode", [])}) or [1, 8]
+    bases = " / ".join(f"{profile.decode_step_time(b, 0) * 1e3:.1f}" for b in batches)
+    lines.append(f"  decode step   = {bases} ms at {' / '.join(map(str, batches))} seqs (in between: interpolated) + "
                  f"{d.coefficients[2] * 1e6:.2f} us/KV token   (error mean {d.mean_rel_error:.1%}, "
                  f"max {d.max_rel_error:.1%}, {d.samples} steps)")
     for transport, f in profile.transfer.items():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from pdserve.plan.profile import Profile
+from pdserve.proxy.costs import decode_hinges
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Costs:
     step_fixed: float
     step_seq: float
     step_kv: float
+    step_hinges: tuple[tuple[int, float], ...]  # (k, d): + d * max(0, seqs - k), the measured batch sizes
     step_serving: float  # what the server adds to every step (profile.serving)
     request_hop: float  # what one HTTP hop adds before a node starts a request
     stream_delay: float  # how much later than the engine the client sees a streamed token
@@ -28,8 +30,8 @@ class Costs:
     @classmethod
     def of(cls, profile: Profile) -> Costs:
         p = dict(zip(profile.prefill_chunk.features, profile.prefill_chunk.coefficients))
-        d = dict(zip(profile.decode_step.features, profile.decode_step.coefficients))
-        return cls(p["one"], p["tokens"], p["attention_pairs"], d["one"], d["seqs"], d["kv_tokens"],
+        (a, b, c), hinges = decode_hinges(asdict(profile.decode_step))
+        return cls(p["one"], p["tokens"], p["attention_pairs"], a, b, c, hinges,
                    profile.serving["step_s"], profile.serving["request_s"], profile.serving["stream_s"])
 
     def chunk(self, tokens: int, context_before: int) -> float:
@@ -37,7 +39,8 @@ class Costs:
 
     def step(self, seqs: int, kv_tokens: int) -> float:
         """A decode step, with what serving adds to each step."""
-        return self.step_fixed + self.step_serving + self.step_seq * seqs + self.step_kv * kv_tokens
+        return (self.step_fixed + self.step_serving + self.step_seq * seqs + self.step_kv * kv_tokens
+                + sum(d * (seqs - k) for k, d in self.step_hinges if seqs > k))
 
 
 class Simulation:
