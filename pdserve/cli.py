@@ -163,7 +163,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
         model_dir = str(resolve_model_dir(args.model))
     proxy = Proxy(ProxyConfig(args.prefill or [], args.decode or [], args.policy, args.mode, meta_url=meta_url,
-                              node_urls=args.node or [], api_key=resolve_api_key(args.api_key),
+                              node_urls=args.node or [], kv_both_urls=args.kv_both or [],
+                              api_key=resolve_api_key(args.api_key),
                               max_waiting=args.max_waiting, nodes_file=args.nodes_file, profile=args.profile,
                               model_dir=model_dir, stall_weight=args.stall_weight, placement=args.placement,
                               remote_prefill_threshold=args.remote_prefill_threshold,
@@ -389,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                       help="both = colocated; prefill = kv_producer (P); decode = kv_consumer (D)")
+    serve.add_argument("--role", default="both", choices=["both", "prefill", "decode", "kv_both"],
+                       help="both = colocated; prefill = kv_producer (P); decode = kv_consumer (D); kv_both = "
+                            "colocated that also prefills for or decodes from other kv_both nodes (auto mode, pull)")
     serve.add_argument("--kv-host", default="127.0.0.1", help="address of the KV side channel (P)")
     serve.add_argument("--kv-port", type=int, default=0, help="port of the KV side channel (P); 0 = free port")
     serve.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS],
@@ -415,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--prefill", **urls, help="prefill node URLs (pull / push)")
     proxy.add_argument("--decode", **urls, help="decode node URLs (pull / push)")
     proxy.add_argument("--node", **urls, help="colocated (--role both) node URLs (colocated, auto)")
+    proxy.add_argument("--kv-both", **urls, help="auto: --role kv_both node URLs (each serves whole requests, and "
+                       "prefills for or decodes from the others)")
     proxy.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     proxy.add_argument("--mode", default="pull", choices=FLOWS.names(),
                        help="pull: D reads P's KV after prefill; push: P writes each layer into D as computed; "
@@ -429,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_args(proxy)
     proxy.add_argument("--nodes-file", default=None, metavar="JSON",
                        help='nodes to route to, re-read when it changes: {"prefill": [URL...], "decode": [URL...]} '
-                            '(colocated: {"node": [URL...]}); adds to --prefill / --decode / --node')
+                            '(colocated: {"node": [URL...]}; auto also {"kv_both": [URL...]}); adds to the flags')
     proxy.add_argument("--meta-url", default=None,
                        help="push: the URL decode nodes use to announce blocks (default: this proxy's /v1/kv/meta)")
     proxy.add_argument("--host", default="127.0.0.1")
@@ -448,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", default="pull", choices=pd_flows,
                     help="auto: per request, prefill on a P node or on the node that decodes (priced by --profile)")
     up.add_argument("--nodes", type=int, default=None, metavar="N",
-                    help="auto: N colocated (--role both) nodes, placed per request by prefix cache and load")
+                    help="auto: N --role kv_both nodes: per request, a node prefills and decodes it, or one "
+                         "prefills and another pulls the KV and decodes (a superset of colocated x N)")
     up.add_argument("--profile", default=None, metavar="JSON",
                     help="auto: a `pdserve profile` of this machine (default: the one cached for this machine, model "
                          "and node settings, else a quick one measured at start, about 2 minutes, and cached)")
@@ -494,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="predict a bench run on a setup from a profile (no model runs)")
     simulate.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
     simulate.add_argument("--setup", required=True,
-                          help="colocated:N | pull:xPyD | push:xPyD | auto:N | auto:xPyD (auto: per-request placement)")
+                          help="colocated:N | pull:xPyD | push:xPyD | auto:N | auto:xPyD (auto: per-request placement; "
+                               "auto:N over N kv_both nodes)")
     simulate.add_argument("--policy", default="round_robin", choices=POLICIES.names())
     simulate.add_argument("--kv-transport", default="shm", choices=list(TRANSPORTS))
     simulate.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -70,14 +70,16 @@ class ModelConfig:
         return cls(**{**common, **family})
 
 
-KV_ROLES = {"both": None, "prefill": "kv_producer", "decode": "kv_consumer"}
+# kv_both: a colocated node with a KV connector: it serves whole requests, and per request may also
+# prefill for another kv_both node (and hold the KV for it to pull) or decode one prefilled there.
+KV_ROLES = {"both": None, "prefill": "kv_producer", "decode": "kv_consumer", "kv_both": "kv_both"}
 
 
 @dataclass
 class KVTransferConfig:
     """How a node takes part in PD disaggregation (vLLM's kv_transfer_config, in short)."""
 
-    role: str = "both"  # both (colocated) | prefill (kv_producer) | decode (kv_consumer)
+    role: str = "both"  # both (colocated) | prefill (kv_producer) | decode (kv_consumer) | kv_both
     host: str = "127.0.0.1"  # the side channel (and tcp data) listens here
     port: int = 0  # 0 = a free port
     transport: str = "auto"  # auto, or a name in kv/transport's registry (auto: shm when the peer is on this host)
@@ -96,11 +98,16 @@ class KVTransferConfig:
 
     @property
     def is_producer(self) -> bool:
-        return self.role == "prefill"
+        return self.role in ("prefill", "kv_both")
 
     @property
     def is_consumer(self) -> bool:
-        return self.role == "decode"
+        return self.role in ("decode", "kv_both")
+
+    @property
+    def takes_push(self) -> bool:
+        """Layer-wise push needs a node of one KV role: a kv_both node moves KV by pull only."""
+        return self.role in ("prefill", "decode")
 
 
 @dataclass

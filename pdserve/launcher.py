@@ -12,6 +12,7 @@ import sys
 import time
 
 from pdserve.procs import Child, ProcessGroup, cluster_env
+from pdserve.proxy.membership import ROLE_FLAGS
 
 
 def plan_cores(num_nodes: int) -> list[int | None]:
@@ -36,8 +37,11 @@ class StopSignal:
 
 def node_roles(args) -> list[str]:
     """The nodes `pdserve up` starts, by role."""
-    colocated = args.colocated or getattr(args, "nodes", None)
-    return ["both"] * colocated if colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+    if getattr(args, "nodes", None):  # auto over nodes that can each prefill, decode, or both
+        return ["kv_both"] * args.nodes
+    if args.colocated:
+        return ["both"] * args.colocated
+    return ["prefill"] * args.prefill + ["decode"] * args.decode
 
 
 def node_tp(args, role: str) -> int:
@@ -116,9 +120,9 @@ def proxy_command(args, model_dir: str, host: str) -> list[str]:
 
 
 def node_flags(nodes: list[tuple[str, str]]) -> list[str]:
-    """The proxy's --prefill / --decode / --node lists for (role, url) pairs."""
+    """The proxy's --prefill / --decode / --node / --kv-both lists for (role, url) pairs."""
     flags = []
-    for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("both", "--node")):
+    for role, flag in ROLE_FLAGS.items():
         urls = [url for r, url in nodes if r == role]
         flags += [flag, *urls] if urls else []
     return flags
@@ -144,8 +148,8 @@ def run_up(args) -> int:
     cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it
     stop = StopSignal()
     try:
-        shape = (f"{len(roles)} colocated" if roles[0] == "both"
-                 else f"{args.prefill} prefill (TP {args.prefill_tp}) + {args.decode} decode (TP {args.decode_tp})")
+        shape = ({"both": f"{len(roles)} colocated", "kv_both": f"{len(roles)} kv_both"}.get(roles[0])
+                 or f"{args.prefill} prefill (TP {args.prefill_tp}) + {args.decode} decode (TP {args.decode_tp})")
         print(f"pdserve up: starting {shape} node(s) (cores: {cores}) on {plan.describe()}", flush=True)
         cluster.launch(nodes, args.startup_timeout)
         proxy_args = proxy_command(args, model_dir, args.host) + node_flags([(n.role, n.url) for n in nodes])

@@ -45,7 +45,9 @@ def test_proxy_flags_must_fit_the_mode():
                           (["--mode", "auto", "--node", "http://a:1"], "auto mode needs --profile"),
                           (["--mode", "auto", "--prefill", "http://a:1"], "auto mode needs at least one decode"),
                           (["--mode", "auto", "--prefill", "http://a:1", "--node", "http://b:1"],
-                           "cannot use prefill nodes without a decode node"),
+                           "cannot use prefill nodes without a decode or kv_both node"),
+                          (["--mode", "pull", "--kv-both", "http://a:1", "--decode", "http://b:1"],
+                           "pull mode takes --prefill / --decode URLs, not --kv-both"),
                           (["--mode", "auto", "--node", "http://a:1", "--profile", "/nonexistent.json"],
                            "--profile /nonexistent.json: No such file"),
                           (["--mode", "mixed", "--node", "http://a:1"], "invalid choice: 'mixed'")):

@@ -7,7 +7,8 @@ Six setups, each started with `pdserve up` (one core per node):
   colo       colocated x2, round robin (the static colocated setup, and multiturn's round robin)
   pull       1P1D pull (the static PD setup)
   auto       1P1D, --mode auto: pdserve's cost-based choice of local or remote prefill
-  auto2      2 colocated nodes, --mode auto: the same choice of node (prefix cache + load), no P
+  auto2      2 kv_both nodes, --mode auto: each request prefilled where it decodes, or on the other
+             node and pulled (before session 28: 2 colocated nodes, no remote choice)
   threshold  1P1D, --mode auto --placement threshold (Dynamo's rule)
   scorers    1P1D, --mode auto --placement scorers (llm-d's weighted scorers)
 on two workloads of `pdserve bench`: `mixed` (90 % 128->128, 10 % 2048->64) and `multiturn`
@@ -46,7 +47,7 @@ SETUPS = {
     "colo": ("colocated x2, round robin", ["--colocated", "2", "--no-chunked-prefill"]),
     "pull": ("1P1D pull", ["--mode", "pull"]),
     "auto": ("1P1D auto (cost)", ["--mode", "auto"]),
-    "auto2": ("2 colocated, auto (cost)", ["--mode", "auto", "--nodes", "2", "--no-chunked-prefill"]),
+    "auto2": ("2 kv_both, auto (cost)", ["--mode", "auto", "--nodes", "2", "--no-chunked-prefill"]),
     "threshold": ("1P1D auto, Dynamo's threshold rule", ["--mode", "auto", "--placement", "threshold"]),
     "scorers": ("1P1D auto, llm-d's scorers", ["--mode", "auto", "--placement", "scorers"]),
 }

@@ -8,7 +8,8 @@ node (the study's rate x N / 2):
   colo       colocated:N, round robin, no chunked prefill
   pull       pull:(N/2)P(N/2)D, round robin
   auto       auto:(N/2)P(N/2)D, the proxy's cost rule with the SLOs
-  auto2      auto:N (N colocated nodes placed per request), no chunked prefill
+  auto2      auto:N (N kv_both nodes placed per request; before session 28 colocated ones), no
+             chunked prefill
   threshold  auto:(N/2)P(N/2)D, Dynamo's threshold rule
   scorers    auto:(N/2)P(N/2)D, llm-d's scorers
 The auto setups run the proxy's own Placer (pdserve/proxy/placement.py) on the simulation's clock;

@@ -33,7 +33,8 @@ from pdserve.benchmarks.report import publish
 from pdserve.bench_serving import answer_tokenizer, run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, up_child
-from pdserve.workload import BenchRequest, mixed_dataset, multiturn_dataset, random_dataset, summarize
+from pdserve.workload import (BenchRequest, meets, mixed_dataset, multiturn_dataset, named_dataset, random_dataset,
+                              summarize)
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128
 CHUNK_BUDGET = 256
@@ -112,14 +113,20 @@ def multiturn_workload(index: int, rate: float, seconds_per_rate: float, min_con
 
 def sweep_workload(workload: str, index: int, rate: float, seconds_per_rate: float,
                    min_requests: int) -> list[BenchRequest]:
-    """`mixed`: requests at `rate`; `multiturn`: conversations at `rate`, at least `min_requests` turns."""
+    """`mixed` (`chat`): requests at `rate`; `multiturn`: conversations at `rate`, at least
+    `min_requests` turns; another of bench's named datasets (`summarize`, `generate`) at its shape."""
     if workload == "multiturn":
         return multiturn_workload(index, rate, seconds_per_rate, -(-min_requests // TURNS))
-    return rate_workload(index, rate, seconds_per_rate, min_requests)
+    if workload in ("mixed", "chat"):
+        return rate_workload(index, rate, seconds_per_rate, min_requests)
+    return named_dataset(workload, max(min_requests, round(rate * seconds_per_rate)), seed=3000 + index)
 
 
 def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_prompts: int, dtype: str,
-              slos: dict[str, float], workload: str = "mixed", extra_args: tuple[str, ...] = ()) -> list[dict]:
+              slos: dict[str, float], workload: str = "mixed", extra_args: tuple[str, ...] = (),
+              slo_sets: dict[str, dict[str, float]] | None = None) -> list[dict]:
+    """One summary per rate; with `slo_sets`, also each set's goodput on the same requests
+    (summary["goodput_by_slos"][name], requests per second)."""
     points = []
     answer_ids = answer_tokenizer(None) if workload == "multiturn" else None  # answers join the next prompt
     with ProcessGroup(stop_grace_s=30) as group:
@@ -133,6 +140,8 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
             results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0, None,
                                                           seed=i, answer_ids=answer_ids))
             summary = summarize(results, duration, slos)
+            summary["goodput_by_slos"] = {name: sum(meets(r, s) for r in results) / duration
+                                          for name, s in (slo_sets or {}).items()}
             summary["request_rate"] = rate
             summary["long"] = [r.input_len >= LONG_INPUT for r in results]
             points.append(summary)

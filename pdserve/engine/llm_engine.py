@@ -183,7 +183,8 @@ class LLMEngine:
             self.grammars.compile(params.structured)
         if kv_transfer_params is not None:
             if self.connector is None:
-                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer")
+                raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer "
+                                       "(--role kv_both serves whole requests and moves KV)")
             self.connector.validate(kv_transfer_params, len(prompt_token_ids))
         return CheckedRequest(prompt_token_ids, params, kv_transfer_params)
 

@@ -124,6 +124,10 @@ class KVConnectorScheduler:
 
     def validate(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
         """Reject kv_transfer_params this node cannot act on (HTTP 400 upstream)."""
+        if params is not None and params.is_push and not self.config.takes_push and (
+                wants_remote_prefill(params) or wants_remote_decode(params)):
+            raise InvalidParameter("kv_transfer_params", "a kv_both node moves KV by pull only: layer-wise push "
+                                   "needs --role prefill and --role decode nodes")
         if wants_remote_prefill(params):
             if not self.config.is_consumer:
                 raise InvalidParameter("kv_transfer_params", "do_remote_prefill needs a decode node (--role decode)")
@@ -272,17 +276,20 @@ class KVConnectorWorker:
         kv = self.config
         secret = resolve_secret(kv.secret)
         self.transports = NodeTransports(pools)
+        if not (kv.is_producer or kv.is_consumer):
+            return {}
+        # The side channel peers reach: P's (and kv_both's) serves pulls, D's takes pushes.
         if kv.is_producer:
             self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret)
-            self.pusher = PushSender(self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
             channel = self.sender
-        elif kv.is_consumer:
+        if kv.is_consumer:
             self.receiver = KVReceiver(self.transports, self.stats, self.inbox, kv.transport, kv.wait_timeout_s, secret)
+        if kv.takes_push and kv.is_producer:
+            self.pusher = PushSender(self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
+        elif kv.takes_push:
             self.push_receiver = PushReceiver(self.transports, self.stats, self.inbox, kv.host, kv.port,
                                               kv.wait_timeout_s, secret)
             channel = self.push_receiver
-        else:
-            return {}
         return {"remote_host": channel.host, "remote_port": channel.port, "remote_shm_name": pools[0].shm_name,
                 "tp_size": len(pools)}
 
@@ -290,7 +297,8 @@ class KVConnectorWorker:
         for spec in meta.loads:
             self.receiver.start(spec)
         for rid in meta.cancels:
-            self.push_receiver.cancel(rid)
+            if self.push_receiver is not None:  # a pull in flight ends on its own (the load then finds no request)
+                self.push_receiver.cancel(rid)
         for spec in meta.releases:
             self.receiver.release(spec)
         for spec in meta.expects:

@@ -5,7 +5,8 @@
 
 Setups are families of a unit repeated k times: colocated nodes (with or without chunked
 prefill; under an ITL SLO also with a prefill cap while decoding that fits it, prefill_cap_for),
-and pull or push units of x P and y D nodes for the P:D ratios of RATIOS. For each
+pull or push units of x P and y D nodes for the P:D ratios of RATIOS, and auto over pairs of
+kv_both nodes (per request: prefill where it decodes, or on the other node and pull). For each
 family the planner finds the smallest k whose simulated SLO attainment reaches the target
 (attainment grows with k), by bisection between 1 and --max-nodes. A bisection step stops its
 simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
@@ -33,7 +34,8 @@ MAX_NODES = 1000
 
 @dataclass(frozen=True)
 class Family:
-    """A unit that a cluster repeats: `prefill` P and `decode` D nodes, or `decode` colocated ones."""
+    """A unit that a cluster repeats: `prefill` P and `decode` D nodes, or `decode` colocated (or,
+    auto, kv_both) ones."""
 
     mode: str
     prefill: int
@@ -47,27 +49,32 @@ class Family:
 
     def setup(self, units: int) -> str:
         """The whole cluster, as `pdserve simulate --setup` and `pdserve up` name it."""
+        cap = f" (--max-prefill-tokens-while-decoding {self.prefill_cap})" if self.prefill_cap else ""
         if self.mode == "colocated":
-            flags = ("" if self.chunked else " (no chunked prefill)") + (
-                f" (--max-prefill-tokens-while-decoding {self.prefill_cap})" if self.prefill_cap else "")
-            return f"colocated:{units * self.decode}{flags}"
+            return f"colocated:{units * self.decode}" + ("" if self.chunked else " (no chunked prefill)") + cap
+        if self.mode == "auto" and not self.prefill:
+            return f"auto:{units * self.decode}{cap}"
         return f"{self.mode}:{units * self.prefill}P{units * self.decode}D"
 
     @property
     def name(self) -> str:
+        cap = f", prefill cap {self.prefill_cap} while decoding" if self.prefill_cap else ""
+        if self.mode == "auto" and not self.prefill:
+            return f"auto, {self.decode} kv_both nodes a unit{cap}"
         if self.mode == "colocated":
-            return "colocated" + ("" if self.chunked else ", no chunked prefill") + (
-                f", prefill cap {self.prefill_cap} while decoding" if self.prefill_cap else "")
+            return "colocated" + ("" if self.chunked else ", no chunked prefill") + cap
         return f"{self.mode} {self.prefill}P:{self.decode}D"
 
 
 def families(profile: Profile | None = None, slos: dict[str, float] | None = None) -> list[Family]:
     out = [Family("colocated", 0, 1), Family("colocated", 0, 1, chunked=False)]
+    cap = None
     if profile is not None and slos and "max_itl_ms" in slos:
-        out.append(Family("colocated", 0, 1, prefill_cap=prefill_cap_for(profile, slos["max_itl_ms"] / 1e3)))
+        cap = prefill_cap_for(profile, slos["max_itl_ms"] / 1e3)
+        out.append(Family("colocated", 0, 1, prefill_cap=cap))
     for mode in ("pull", "push"):
         out += [Family(mode, p, d) for p, d in RATIOS]
-    return out
+    return out + [Family("auto", 0, 2, prefill_cap=cap)]  # as `pdserve up --mode auto --slo itl:MS` caps them
 
 
 def prefill_cap_for(profile: Profile, itl_s: float, seqs: int = 8, context: int = 1024, share: float = 0.75) -> int:

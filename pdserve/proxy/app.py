@@ -58,7 +58,8 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         POLICIES.get(config.policy)  # a bad policy fails here, naming the choices
         flow_cls = FLOWS.get(config.mode)
-        flagged = ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"), (config.node_urls, "both"))
+        flagged = ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"), (config.node_urls, "both"),
+                   (config.kv_both_urls, "kv_both"))
         for urls, role in flagged:
             if urls and role not in flow_cls.roles:
                 raise ValueError(f"{config.mode} mode takes {' / '.join(ROLE_FLAGS[r] for r in flow_cls.roles)} "

@@ -18,6 +18,7 @@ class ProxyConfig:
     # long as any request may take (a D that cannot announce answers with an error itself).
     meta_timeout_s: float = 600.0
     node_urls: list[str] = field(default_factory=list)  # colocated mode
+    kv_both_urls: list[str] = field(default_factory=list)  # auto: colocated nodes that also move KV (--role kv_both)
     api_key: str | None = None  # clients must send it; the proxy also sends it to the nodes
     max_waiting: int | None = None  # requests in flight past which the proxy answers 429
     health_interval_s: float = 1.0

@@ -1,9 +1,9 @@
 """Which nodes the proxy routes to: the flags it started with, a watched nodes file, the admin API.
 
-A nodes file is JSON, `{"prefill": [URL, ...], "decode": [URL, ...]}` (pull / push) or
-`{"node": [URL, ...]}` (colocated). The proxy re-reads it when it changes: every node it lists is
-added if missing, and nodes that disappear from it are removed. Removing a node only takes it out of rotation;
-requests already on it finish there.
+A nodes file is JSON, `{"prefill": [URL, ...], "decode": [URL, ...]}` (pull / push),
+`{"node": [URL, ...]}` (colocated) or `{"kv_both": [URL, ...]}` (auto). The proxy re-reads it
+when it changes: every node it lists is added if missing, and nodes that disappear from it are
+removed. Removing a node only takes it out of rotation; requests already on it finish there.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pdserve.proxy.policies import Node
 
 logger = logging.getLogger(__name__)
 
-FILE_KEYS = {"prefill": "prefill", "decode": "decode", "node": "both"}  # nodes-file key -> role
-ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--node"}  # role -> the proxy's flag
-ROLE_NAMES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+FILE_KEYS = {"prefill": "prefill", "decode": "decode", "node": "both", "kv_both": "kv_both"}  # key -> role
+ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--node", "kv_both": "--kv-both"}
+ROLE_NAMES = {"prefill": "prefill", "decode": "decode", "both": "colocated", "kv_both": "kv_both"}
 
 
 class DuplicateNode(ValueError):
@@ -48,13 +48,14 @@ def check_url(url: str) -> str:
 class Membership:
     mode: str
     roles: tuple[str, ...]  # what the mode's flow routes to (Flow.roles)
+    # A kv_both node is in both lists (it may prefill for another node, or decode).
     prefillers: list[Node] = field(default_factory=list)
     decoders: list[Node] = field(default_factory=list)  # decode nodes, or the colocated nodes
     on_add: Callable[[Node], None] = lambda node: None
     on_remove: Callable[[Node], None] = lambda node: None
 
     def nodes(self) -> list[Node]:
-        return self.prefillers + self.decoders
+        return self.prefillers + [d for d in self.decoders if d.role != "kv_both"]
 
     def find(self, url: str) -> Node | None:
         url = url.rstrip("/")
@@ -67,7 +68,8 @@ class Membership:
         if self.find(url) is not None:
             raise DuplicateNode(f"{url} is already a node of this proxy")
         node = Node(url, role)
-        (self.prefillers if role == "prefill" else self.decoders).append(node)
+        for nodes in self._lists(role):
+            nodes.append(node)
         self.on_add(node)
         logger.info("%s node %s added", role, url)
         return node
@@ -76,10 +78,15 @@ class Membership:
         node = self.find(url)
         if node is None:
             raise LookupError(f"{url} is not a node of this proxy")
-        (self.prefillers if node.role == "prefill" else self.decoders).remove(node)
+        for nodes in self._lists(node.role):
+            nodes.remove(node)
         self.on_remove(node)
         logger.info("%s node %s removed", node.role, node.url)
         return node
+
+    def _lists(self, role: str) -> list[list[Node]]:
+        """The lists a node of `role` is in."""
+        return {"prefill": [self.prefillers], "kv_both": [self.prefillers, self.decoders]}.get(role, [self.decoders])
 
 
 def read_nodes_file(path: str, mode: str, roles: tuple[str, ...]) -> set[tuple[str, str]]:

@@ -1,5 +1,7 @@
 """Auto mode's choice, per request: which node decodes, and whether it prefills the prompt itself
-or a prefill node does (then the decode node pulls the KV).
+or a prefill node does (then the decode node pulls the KV). kv_both nodes are both: each may
+decode with its own prefill, prefill for another, or decode what another prefilled, so auto over
+them has every colocated choice and more.
 
 Every option is priced from the profile (proxy/costs.py) and what the proxy knows now:
 - the prompt's blocks each node already holds (proxy/prefix_index.py; a node whose copy is stale
@@ -10,8 +12,9 @@ Every option is priced from the profile (proxy/costs.py) and what the proxy know
 An option's predicted TTFT is queue wait + one request hop + the uncached prefill (+ for a remote
 prefill: the transfer of what D does not hold, D's second hop and its recompute of the last
 prompt token). Its stall is the seconds of prefill run on the decode node times the streams it
-holds. The proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second
-of delay to each stream already decoding counts as much as a second of this request's TTFT.
+holds (and, prefilled on a kv_both node, the prefill times the streams that node holds). The
+proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second of delay to
+each stream already decoding counts as much as a second of this request's TTFT.
 Given SLOs (`--slo ttft:MS tpot:MS`), it first takes the options that make the fewest requests
 miss them (Placer.misses): under a loose TTFT and a tight TPOT SLO, queueing behind a long
 prefill is cheaper than a decode batch one stream too big.
@@ -40,13 +43,15 @@ class Placement:
     prefill_profile_s: float  # the profile's prediction, before that node's measured speed (proxy/speed.py)
     ttft_s: float  # predicted time to first token, from now
     stall_s: float  # predicted delay added to the streams decoding on the decode node, summed
+    # ... and on the node that prefills it remotely, when that node decodes streams too (kv_both)
+    prefiller_stall_s: float = 0.0
 
     @property
     def choice(self) -> str:
         return "local" if self.prefiller is None else "remote"
 
     def score(self, stall_weight: float) -> float:
-        return self.ttft_s + stall_weight * self.stall_s
+        return self.ttft_s + stall_weight * (self.stall_s + self.prefiller_stall_s)
 
 
 class PromptView:
@@ -97,10 +102,22 @@ class PromptView:
         ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), self.transport) + costs.request_hop_s
                 + self.wait(d) + last_token)
         profile_s = costs.prefill_s(n, hit)
-        return Placement(d, p, hit, profile_s * p.speed.prefill, profile_s, ttft, last_token * d.active_requests)
+        seconds = profile_s * p.speed.prefill
+        streams_on_p = p.active_requests if p.role == "kv_both" else 0  # a P node decodes nothing
+        return Placement(d, p, hit, seconds, profile_s, ttft, last_token * d.active_requests, seconds * streams_on_p)
 
     def uncached(self, node: Node) -> int:
         return self.tokens - self.cached(node)
+
+
+def pulls(node: Node) -> bool:
+    """Can decode a prompt another node prefilled (pulls its KV)."""
+    return node.role in ("decode", "kv_both")
+
+
+def other(prefillers: list[Node], d: Node) -> list[Node]:
+    """The nodes that may prefill for `d` (a kv_both node does not prefill for itself remotely)."""
+    return [p for p in prefillers if p is not d]
 
 
 class PlacementRule(ABC):
@@ -131,7 +148,7 @@ class CostRule(PlacementRule):
 
 class ByPolicy(PlacementRule):
     """A routing policy's baseline: the decode node by the policy, prefill on a P node (by the
-    policy too) whenever the decode node is a D."""
+    policy too) whenever the decode node is a D (a kv_both node prefills itself, as colocated)."""
 
     policy: ClassVar[str]
 
@@ -163,8 +180,8 @@ class ThresholdRule(PlacementRule):
 
     def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
         d = min(decoders, key=lambda n: (view.uncached(n) + n.active_tokens, n.active_requests))
-        p = min(prefillers, key=lambda n: (n.active_requests, view.uncached(n)), default=None)
-        if (d.role == "decode" and p is not None and view.uncached(d) > self.placer.threshold_tokens
+        p = min(other(prefillers, d), key=lambda n: (n.active_requests, view.uncached(n)), default=None)
+        if (pulls(d) and p is not None and view.uncached(d) > self.placer.threshold_tokens
                 and p.active_requests < self.MAX_PREFILL_QUEUE):
             return view.remote(d, p)
         return view.local(d)
@@ -178,8 +195,9 @@ class ScorersRule(PlacementRule):
 
     def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
         d = max(decoders, key=lambda n: self.score(n, decoders, view))
-        if d.role == "decode" and prefillers and view.uncached(d) > self.placer.threshold_tokens:
-            return view.remote(d, max(prefillers, key=lambda n: self.score(n, prefillers, view)))
+        candidates = other(prefillers, d)
+        if pulls(d) and candidates and view.uncached(d) > self.placer.threshold_tokens:
+            return view.remote(d, max(candidates, key=lambda n: self.score(n, candidates, view)))
         return view.local(d)
 
     @staticmethod
@@ -209,12 +227,13 @@ class Placer:
         self.rule = PLACEMENT_RULES.get(rule)(self)
 
     def options(self, view: PromptView, prefillers: list[Node], decoders: list[Node]) -> list[Placement]:
-        """Every decode node, prefilling locally or on the P node that would answer first."""
-        p = min(prefillers, key=view.prefill_ttft, default=None)
+        """Every decode node, prefilling locally or on the other node that would answer first."""
+        ranked = sorted(prefillers, key=view.prefill_ttft)[:2]  # the first, and the next for itself
         options = []
         for d in decoders:
             options.append(view.local(d))
-            if p is not None and d.role == "decode":
+            p = next((p for p in ranked if p is not d), None)
+            if p is not None and pulls(d):
                 options.append(view.remote(d, p))
         return options
 
@@ -235,6 +254,11 @@ class Placer:
         stall = option.stall_s / streams if streams else 0.0  # each stream's (stall_s sums them)
         if streams and (before <= tpot_slo < after + stall / output_tokens or before <= itl_slo < after + stall):
             misses += streams
+        p = option.prefiller
+        if option.prefiller_stall_s and p is not None:  # a kv_both node's streams wait for the prefill
+            step = costs.step_s(p.active_requests, p.active_tokens) * p.speed.decode
+            if step <= tpot_slo < step + option.prefill_s / output_tokens or step <= itl_slo < step + option.prefill_s:
+                misses += p.active_requests
         return misses
 
     def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node],

@@ -13,7 +13,7 @@ from pdserve.registry import Registry
 @dataclass
 class Node:
     url: str
-    role: str  # "prefill" | "decode" | "both"
+    role: str  # "prefill" | "decode" | "both" | "kv_both"
     healthy: bool = True
     active_requests: int = 0
     active_tokens: int = 0  # estimated prompt + generation tokens of requests in flight

@@ -11,7 +11,8 @@ What it models, as pdserve does it:
   request first and reserves its blocks; once it has announced them, P gets the prompt and pushes
   each layer as it is computed, so only the last layer's transfer follows the prefill), auto (the
   proxy's own Placer, pdserve/proxy/placement.py, on the simulation's clock: per request, the
-  decode node and whether it prefills locally or on a P that D then pulls from); nodes chosen by
+  decode node and whether it prefills locally or on a P that D then pulls from; auto:N over kv_both
+  nodes, each of which may prefill for another); nodes chosen by
   the proxy's own policy objects over its Node records (round robin; least loaded: in-flight
   tokens and KV usage), each node loaded from when the proxy asks it to when it answers;
 - each node: pdserve's own Scheduler, BlockManager and KV connector (scheduler side) on the

@@ -56,13 +56,16 @@ class SimProxy:
         fit = dict(zip(sim.profile.transfer[transport].features, sim.profile.transfer[transport].coefficients))
         self._transfer_latency, self._transfer_per_byte = fit["one"], fit["bytes"]  # the hot path's copy of the fit
 
-        d_role = "decode" if setup.prefill else "both"
+        # auto:N: kv_both nodes (each prefills, decodes, or both per request), as `pdserve up --mode auto --nodes N`
+        d_role = "decode" if setup.prefill else "kv_both" if setup.mode == "auto" else "both"
         self.prefillers = [SimNode(sim, f"P{i}", batching, prefix_caching, "prefill") for i in range(setup.prefill)]
         self.decoders = [SimNode(sim, f"D{i}" if setup.prefill else f"N{i}", batching, prefix_caching, d_role)
                          for i in range(setup.decode)]
         self.members = {n.name: n for n in self.prefillers + self.decoders}
         self.p_nodes = [Node(n.name, "prefill") for n in self.prefillers]
         self.d_nodes = [Node(n.name, d_role) for n in self.decoders]
+        if d_role == "kv_both":  # the same nodes may prefill for one another
+            self.p_nodes = self.d_nodes
         self.prefill_policy, self.decode_policy = POLICIES.get(policy)(), POLICIES.get(policy)()
         if setup.mode == "auto":  # the proxy's own Placer, on the simulation's clock and nodes
             costs = replace(CostModel.of(asdict(sim.profile)), chunk_size=batching.budget)

@@ -17,7 +17,8 @@ class Setup:
 
     @classmethod
     def parse(cls, text: str) -> Setup:
-        """`colocated:N`, `pull:xPyD`, `push:xPyD`, `auto:N` (N colocated nodes placed per request)
+        """`colocated:N`, `pull:xPyD`, `push:xPyD`, `auto:N` (N kv_both nodes: per request, one prefills
+        and decodes, or one prefills and another pulls and decodes)
         or `auto:xPyD` (per request: prefill on D, or on a P then pull); ValueError names what is wrong."""
         mode, _, shape = text.partition(":")
         if mode in ("colocated", "auto") and shape.isdigit() and int(shape) > 0:

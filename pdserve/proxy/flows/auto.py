@@ -22,7 +22,7 @@ from pdserve.proxy.costs import CostModel
 from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows.base import ClientRequest, Flow, sequences
 from pdserve.proxy.membership import Membership
-from pdserve.proxy.placement import Placer
+from pdserve.proxy.placement import Placer, pulls
 from pdserve.proxy.prompts import PromptTokens
 from pdserve.proxy.timing import RequestTiming
 
@@ -31,16 +31,17 @@ DEFAULT_OUTPUT_TOKENS = 128  # what a request that names no max_tokens is expect
 
 class AutoFlow(Flow):
     name = "auto"
-    roles = ("prefill", "decode", "both")
+    roles = ("prefill", "decode", "both", "kv_both")
 
     @classmethod
     def check_members(cls, members: Membership) -> None:
-        """Decodes on decode (kv_consumer) or colocated nodes; prefill nodes need a decode node to
-        pull from them (a colocated node has no KV connector)."""
+        """Decodes on decode (kv_consumer), colocated or kv_both nodes; prefill nodes need a decode
+        or kv_both node to pull from them (a colocated node has no KV connector)."""
         if not members.decoders:
-            raise ValueError("auto mode needs at least one decode (--decode) or colocated (--node) node")
-        if members.prefillers and not any(d.role == "decode" for d in members.decoders):
-            raise ValueError("auto mode cannot use prefill nodes without a decode node to pull their KV "
+            raise ValueError("auto mode needs at least one decode (--decode), colocated (--node) or "
+                             "--kv-both node")
+        if any(p.role == "prefill" for p in members.prefillers) and not any(pulls(d) for d in members.decoders):
+            raise ValueError("auto mode cannot use prefill nodes without a decode or kv_both node to pull their KV "
                              "(colocated --node nodes have no KV connector)")
 
     def __init__(self, *args, **kwargs) -> None:

@@ -1,0 +1,253 @@
+"""Where disaggregation pays: the win map, measured at 2 nodes and simulated at more.
+
+    python -m pdserve.benchmarks.winmap [--workloads chat summarize generate] [--runs 2]
+        [--setups a b c d e] [--min-prompts 40] [--seconds-per-rate 60] [--nodes 2 8 64]
+    python -m pdserve.benchmarks.winmap --from-json docs/results/winmap.json   # map, plot and docs again
+
+Workloads are bench's named datasets (`chat` = mixed, `summarize` prefill-heavy, `generate`
+decode-heavy), each at three rates (RATES; --rates-for NAME=R1,R2,R3). Every 2-node setup runs
+for real with `pdserve up`, one core per node:
+  a  colocated x2             b  colocated x2, chunked prefill (256-token steps)
+  c  1P1D pull                d  1P1D push
+  e  auto over 2 kv_both nodes (per request: prefill where it decodes, or on the other node and
+     pull), with the run's profile and all three SLOs (its nodes get the prefill cap the ITL SLO
+     implies).
+Each run is judged against three SLO sets on the same requests: TTFT + TPOT, TTFT + ITL (a
+request's longest gap between two tokens) and ITL alone. The SLOs come from one idle node, as the
+study's: TTFT 2x its long-prompt TTFT, TPOT 1.5x and ITL ITL_SCALE x its decode step.
+
+A cell (workload, SLO set, rate) names the setup of most goodput (mean over --runs runs), its
+margin over the best setup of another kind (colocated: a, b; PD: c, d; auto: e), PD's best over
+colocated's best and auto over the best static setup, with the runs' spread as the noise. The
+simulated map (--nodes) prices the same cells at N nodes with the planner's families of each kind
+at rate x N / 2 (the profile's costs).
+
+Writes docs/results/winmap.json (every run's summary), winmap.png (one heatmap per SLO set) and
+the section `winmap` of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
+from pdserve.benchmarks.study import Setup, run_setup, study_slos, sweep_workload
+from pdserve.config import EngineConfig
+from pdserve.plan.planner import Family, Planner, families
+from pdserve.plan.profile import Profile, ProfilePoints, run_profile
+from pdserve.platform import plan_kernels
+
+SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto, 2 kv_both nodes", ("--mode", "auto", "--nodes", "2"), "auto:2")}
+KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto"}
+RATES = {"chat": [0.5, 0.75, 1.0], "summarize": [0.2, 0.35, 0.5], "generate": [0.15, 0.3, 0.45]}
+ITL_SCALE = 4.0  # the ITL SLO over the idle decode step: room for one short prefill beside it
+
+
+def slo_sets(slos: dict[str, float]) -> dict[str, dict[str, float]]:
+    return {"ttft+tpot": {"ttft_ms": slos["ttft_ms"], "tpot_ms": slos["tpot_ms"]},
+            "ttft+itl": {"ttft_ms": slos["ttft_ms"], "max_itl_ms": slos["max_itl_ms"]},
+            "itl": {"max_itl_ms": slos["max_itl_ms"]}}
+
+
+def cell(goodputs: dict[str, list[float]]) -> dict:
+    """One cell from each setup's goodput per run: the winner, its margin over the best other kind,
+    PD's best over colocated's best, auto over the best static setup, and the noise (the largest
+    spread of one setup's runs, over its mean)."""
+    mean = {k: statistics.mean(v) for k, v in goodputs.items()}
+    best = max(mean, key=lambda k: mean[k])
+    by_kind = {kind: max((g for k, g in mean.items() if KINDS[k] == kind), default=None)
+               for kind in ("colocated", "PD", "auto")}
+    others = [g for kind, g in by_kind.items() if g is not None and kind != KINDS[best]]
+    static = max((g for k, g in mean.items() if KINDS[k] != "auto"), default=None)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        if a is None or b is None:
+            return None
+        return a / b if b > 0 else (1.0 if a == 0 else float("inf"))
+
+    noise = max(((max(v) - min(v)) / statistics.mean(v) for v in goodputs.values() if len(v) > 1 and statistics.mean(v)),
+                default=0.0)
+    return {"goodput": mean, "winner": best, "kind": KINDS[best],
+            "margin": ratio(mean[best], max(others) if others else None),
+            "pd_over_colocated": ratio(by_kind["PD"], by_kind["colocated"]),
+            "auto_over_static": ratio(by_kind["auto"], static), "noise": noise}
+
+
+def measured_map(res: dict) -> dict:
+    """{workload: {slo set: [cell per rate]}} from the runs in `res`."""
+    out = {}
+    for workload, entry in res["workloads"].items():
+        out[workload] = {}
+        for name in res["slo_sets"]:
+            cells = []
+            for i in range(len(entry["rates"])):
+                goodputs = {key: [run[i]["goodput_by_slos"][name] for run in runs]
+                            for key, runs in entry["setups"].items()}
+                cells.append(cell(goodputs))
+            out[workload][name] = cells
+    return out
+
+
+def kind_families(profile: Profile, slos: dict[str, float]) -> dict[str, list[Family]]:
+    kinds: dict[str, list[Family]] = {"colocated": [], "PD": [], "auto": []}
+    for family in families(profile, slos):
+        kinds["auto" if family.mode == "auto" else "colocated" if family.mode == "colocated" else "PD"].append(family)
+    return kinds
+
+
+def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: int) -> dict:
+    """{N: {workload: {slo set: [{kind: (best family's setup, goodput)} per rate]}}}: each kind's
+    best family at N nodes (units that divide N), at the measured rate x N / 2."""
+    out: dict = {}
+    for n in nodes:
+        out[str(n)] = {}
+        for workload, entry in res["workloads"].items():
+            out[str(n)][workload] = {}
+            for name, slos in res["slo_sets"].items():
+                cells = []
+                for i, rate in enumerate(entry["rates"]):
+                    scaled = rate * n / 2
+                    requests = sweep_workload(workload, i, scaled, res["seconds_per_rate"], min_prompts * n // 2)
+                    planner = Planner(profile, requests, scaled, slos, 0.9, n)
+                    best = {}
+                    for kind, fams in kind_families(profile, slos).items():
+                        tried = [(f.setup(n // f.unit_nodes), scaled * planner.evaluate(f, n // f.unit_nodes,
+                                                                                       whole=True)["slo_attainment"])
+                                 for f in fams if n % f.unit_nodes == 0]
+                        if tried:
+                            best[kind] = max(tried, key=lambda t: t[1])
+                    cells.append(best)
+                out[str(n)][workload][name] = cells
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Command: `python -m pdserve.benchmarks.winmap --workloads {' '.join(res['workloads'])} --runs "
+             f"{res['runs']} --min-prompts {res['min_prompts']}` ({res['date']}, {res['cpu']}, {res['dtype']}). "
+             f"SLOs from the idle node: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, TPOT {res['slos_ms']['tpot_ms']:.1f} ms, "
+             f"ITL (longest gap) {res['slos_ms']['max_itl_ms']:.0f} ms. Goodput in requests/s, mean of "
+             f"{res['runs']} runs; noise = the largest spread of one setup's runs over its mean.", "",
+             "| workload | SLOs | rate | a | b | c | d | e | winner | margin | PD / colocated | auto / best static "
+             "| noise |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x: "–" if x is None else f"{x:.2f}x"  # noqa: E731
+    for workload, by_slo in res["map"].items():
+        rates = res["workloads"][workload]["rates"]
+        for name, cells in by_slo.items():
+            for rate, c in zip(rates, cells):
+                g = " | ".join(f"{c['goodput'][k]:.2f}" if k in c["goodput"] else "–" for k in SETUPS)
+                lines.append(f"| {workload} | {name} | {rate:g} | {g} | ({c['winner']}) {c['kind']} | "
+                             f"{fmt(c['margin'])} | {fmt(c['pd_over_colocated'])} | {fmt(c['auto_over_static'])} | "
+                             f"{c['noise'] * 100:.0f} % |")
+    lines += ["", "Setups: " + "; ".join(f"({k}) {s.label}" for k, s in SETUPS.items()) + ".", ""]
+    for n, by_workload in res.get("simulated", {}).items():
+        lines.append(f"Simulated at {n} nodes (each kind's best family; goodput req/s):")
+        lines.append("")
+        for workload, by_slo in by_workload.items():
+            for name, cells in by_slo.items():
+                row = "; ".join(", ".join(f"{kind} {setup} {g:.2f}" for kind, (setup, g) in c.items()) for c in cells)
+                lines.append(f"- {workload}, {name}: {row}")
+        lines.append("")
+    lines.append("![win map](results/winmap.png)")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"colocated": 0, "PD": 1, "auto": 2}
+    names = list(res["slo_sets"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        workloads = list(res["map"])
+        grid = [[colours[c["kind"]] for c in res["map"][w][name]] for w in workloads]
+        ax.imshow(grid, cmap=matplotlib.colors.ListedColormap(["#9ecae1", "#fc9272", "#a1d99b"]), vmin=0, vmax=2)
+        for y, w in enumerate(workloads):
+            for x, c in enumerate(res["map"][w][name]):
+                margin = "" if c["margin"] is None else f"\n{c['margin']:.2f}x"
+                ax.text(x, y, f"{c['kind']}{margin}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(3), ["low", "mid", "high"])
+        ax.set_yticks(range(len(workloads)), workloads)
+        ax.set_title(f"SLOs: {name}")
+    fig.suptitle("winner at 2 nodes (margin over the best other kind)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def finish(res: dict, args) -> None:
+    res["map"] = measured_map(res)
+    if args.nodes:
+        profile = Profile.load(args.profile or res["profile_path"])
+        res["simulated"] = simulated_map(profile, res, args.nodes, res["min_prompts"])
+    out = Path(args.out)
+    plot(res, out.with_suffix(".png"))
+    publish(res, str(out), "winmap", "Where disaggregation pays: the win map (2 nodes measured)", markdown(res))
+
+
+def parse_rates(items: list[str] | None) -> dict[str, list[float]]:
+    rates = {k: list(v) for k, v in RATES.items()}
+    for item in items or []:
+        name, _, values = item.partition("=")
+        try:
+            rates[name] = [float(x) for x in values.split(",")]
+        except ValueError:
+            raise SystemExit(f"--rates-for {item!r}: expected NAME=R1,R2,R3") from None
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(RATES), choices=["chat", "summarize", "generate"])
+    parser.add_argument("--rates-for", nargs="+", default=None, metavar="NAME=R1,R2,R3")
+    parser.add_argument("--runs", type=int, default=2, help="runs of every measured point")
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--min-prompts", type=int, default=40, help="requests per rate at least")
+    parser.add_argument("--seconds-per-rate", type=float, default=60.0)
+    parser.add_argument("--nodes", type=int, nargs="*", default=[2, 8, 64], help="node counts to simulate")
+    parser.add_argument("--profile", default=None, help="auto mode's and the simulator's profile (default: measured)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", default="docs/results/winmap.json")
+    parser.add_argument("--from-json", default=None, metavar="PATH", help="map, plot and docs from an earlier run")
+    args = parser.parse_args()
+    if args.from_json:
+        finish(json.loads(Path(args.from_json).read_text()), args)
+        return
+    args.dtype = plan_kernels(args.dtype).dtype
+    rates = parse_rates(args.rates_for)
+    profile_path = Path(args.profile or Path(args.out).with_name("winmap_profile.json"))
+    if not args.profile:  # measured alone, before any node starts
+        run_profile(EngineConfig(dtype=args.dtype, threads=1), ProfilePoints.full()).save(profile_path)
+    idle, slos = study_slos(args.dtype, 2.0, 1.5)
+    slos["max_itl_ms"] = ITL_SCALE * idle["decode_step_ms"]
+    sets = slo_sets(slos)
+    auto = ("--profile", str(profile_path), "--slo", f"ttft:{slos['ttft_ms']:.0f}", f"tpot:{slos['tpot_ms']:.1f}",
+            f"itl:{slos['max_itl_ms']:.0f}")
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": Profile.load(profile_path).meta["cpu"], "dtype": args.dtype,
+                 "runs": args.runs, "min_prompts": args.min_prompts, "seconds_per_rate": args.seconds_per_rate,
+                 "idle": idle, "slos_ms": slos, "slo_sets": sets, "profile_path": str(profile_path),
+                 "setups": {k: asdict(SETUPS[k]) for k in args.setups}, "workloads": {}}
+    for workload in args.workloads:
+        entry = res["workloads"][workload] = {"rates": rates[workload], "setups": {k: [] for k in args.setups}}
+        for run in range(args.runs):  # the runs of a point apart in time: the host's drift shows as noise
+            for key in args.setups:
+                setup = SETUPS[key]
+                entry["setups"][key].append(run_setup(setup, rates[workload], args.seconds_per_rate, args.min_prompts,
+                                                      args.dtype, sets["ttft+tpot"], workload,
+                                                      auto if KINDS[key] == "auto" else (), sets))
+                for point in entry["setups"][key][-1]:
+                    point.pop("itls", None)  # per-token gaps: megabytes; the per-request goodputs are kept
+        Path(args.out).write_text(json.dumps(res))  # a partial map survives an interrupted run
+    finish(res, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The win map's arithmetic (pdserve/benchmarks/winmap.py): cells from runs, the report, the plot,
+and the simulated map over the planner's families, on hand-made runs and known costs."""
+
+from __future__ import annotations
+
+import pytest
+from test_plan_simulator import known_profile
+
+from pdserve.benchmarks.study import sweep_workload
+from pdserve.benchmarks.winmap import cell, markdown, measured_map, plot, simulated_map, slo_sets
+from pdserve.workload import GENERATE, SUMMARIZE
+
+
+def test_a_cell_names_the_winner_its_margin_and_the_noise():
+    c = cell({"a": [0.30, 0.34], "b": [0.40, 0.40], "c": [0.60, 0.50], "d": [0.20, 0.20], "e": [0.55, 0.60]})
+    assert (c["winner"], c["kind"]) == ("e", "auto")
+    assert c["margin"] == pytest.approx(0.575 / 0.55)  # over PD's best, the best other kind
+    assert c["pd_over_colocated"] == pytest.approx(0.55 / 0.40)
+    assert c["auto_over_static"] == pytest.approx(0.575 / 0.55)
+    assert c["noise"] == pytest.approx(0.10 / 0.55)  # (c)'s runs spread the most
+    nothing = cell({"a": [0.0], "c": [0.0]})
+    assert nothing["pd_over_colocated"] == 1.0 and nothing["auto_over_static"] is None
+
+
+def fake_run(rates: list[float], goodputs: list[float]) -> list[dict]:
+    return [{"request_rate": r, "goodput_by_slos": {"ttft+tpot": g, "ttft+itl": g / 2, "itl": g / 4}}
+            for r, g in zip(rates, goodputs)]
+
+
+def test_the_measured_map_report_and_plot_from_runs(tmp_path):
+    rates = [0.2, 0.3, 0.4]
+    res = {"date": "2026-12-03", "cpu": "test CPU", "dtype": "bfloat16", "runs": 2, "min_prompts": 40,
+           "slos_ms": {"ttft_ms": 2000.0, "tpot_ms": 20.0, "max_itl_ms": 60.0},
+           "slo_sets": slo_sets({"ttft_ms": 2000.0, "tpot_ms": 20.0, "max_itl_ms": 60.0}),
+           "workloads": {"summarize": {"rates": rates, "setups": {
+               "a": [fake_run(rates, [0.2, 0.2, 0.12]), fake_run(rates, [0.2, 0.2, 0.12])],
+               "c": [fake_run(rates, [0.1, 0.3, 0.36]), fake_run(rates, [0.1, 0.3, 0.36])]}}}}
+    res["map"] = measured_map(res)
+    cells = res["map"]["summarize"]["itl"]
+    assert [c["winner"] for c in cells] == ["a", "c", "c"]
+    assert cells[2]["pd_over_colocated"] == pytest.approx(3.0)
+    assert set(res["slo_sets"]["itl"]) == {"max_itl_ms"}
+    text = markdown(res)
+    assert "| summarize | itl | 0.4 | 0.03 | – | 0.09 | – | – | (c) PD | 3.00x | 3.00x | – | 0 % |" in text
+    plot(res, tmp_path / "map.png")
+    assert (tmp_path / "map.png").stat().st_size > 10_000
+
+
+def test_the_simulated_map_prices_each_kind_at_n_nodes():
+    res = {"seconds_per_rate": 20.0, "slo_sets": {"itl": {"max_itl_ms": 200.0}},
+           "workloads": {"chat": {"rates": [0.5]}}}
+    sim = simulated_map(known_profile(), res, [2], 8)
+    best = sim["2"]["chat"]["itl"][0]
+    assert set(best) == {"colocated", "PD", "auto"}
+    assert best["auto"][0].startswith("auto:2 (--max-prefill-tokens-while-decoding ")  # capped under an ITL SLO
+    assert best["PD"][0] in ("pull:1P1D", "push:1P1D")
+    assert all(0 <= goodput <= 0.5 for _, goodput in best.values())
+
+
+def test_named_workloads_sweep_at_their_shapes():
+    summarize = sweep_workload("summarize", 0, 0.5, 60, 10)
+    generate = sweep_workload("generate", 1, 0.1, 60, 10)
+    assert len(summarize) == 30 and len(generate) == 10
+    assert all(SUMMARIZE[0][0] <= r.input_len <= SUMMARIZE[0][1] for r in summarize)
+    assert all(GENERATE[1][0] <= r.output_len <= GENERATE[1][1] for r in generate)
