@@ -43,7 +43,7 @@ def dense_gemms() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
 
 
 def quantized_gemms(ops) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Every quantized kernel decode rows can run."""
+    """Every quantized kernel batch-invariant decode rows can run."""
     int4, _ = quantize_int4(WEIGHT)
     int8, _ = quantize_int8(WEIGHT)
     head = quantize_int8_groups(WEIGHT)
@@ -52,7 +52,8 @@ def quantized_gemms(ops) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         found["int8 head"] = lambda x: ops.int8_head(x.float().contiguous(), head.codes, head.scales)
     if native_int4_kernel(ops) is not None:  # AVX512-BF16 CPUs
         native_int4, _ = quantize_int4(WEIGHT, native_int4_kernel(ops))
-        found["int4 native"] = native_int4
+        # As batch-invariant layers call it: one path at any row count (AMX's tiles where present).
+        found["int4 native"] = lambda x: native_int4(x, rows_alone=True)
     return found
 
 

@@ -83,13 +83,24 @@ def test_kernels_compute_the_dequantized_weight(method, rows):
     torch.testing.assert_close(out, F.linear(x.bfloat16().float(), dequantized), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
-def test_native_int4_computes_the_dequantized_weight_in_float32(ops, rows):
-    """pdserve's int4_linear (AVX512-BF16): x rounded to bf16 times the dequantized weight, summed in
-    float32 (torch's kernel rounds its output to bf16); the bf16 result is the float32 one rounded."""
-    kernel = native_int4_kernel(ops)
-    if kernel is None:
+@pytest.fixture(params=["amx", "avx512"])
+def int4_path(request, ops):
+    """int4_linear on AMX tiles (2 rows or more, where the CPU has them) or on AVX-512 alone."""
+    if native_int4_kernel(ops) is None:
         pytest.skip("this CPU has no AVX512-BF16: int4 decodes on torch's kernel (tested above)")
+    if request.param == "amx" and not ops.int4_amx_available():
+        pytest.skip("this CPU has no AMX tiles (or the OS does not grant them)")
+    previous = ops.set_int4_amx(request.param == "amx")
+    yield request.param
+    ops.set_int4_amx(previous)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 33])
+def test_native_int4_computes_the_dequantized_weight_in_float32(ops, int4_path, rows):
+    """pdserve's int4_linear (AVX512-BF16, AMX tiles where present): x rounded to bf16 times the
+    dequantized weight, summed in float32 (torch's kernel rounds its output to bf16); the bf16
+    result is the float32 one rounded. 17 and 33 rows take AMX's chunks of 9 / 11 rows, padded."""
+    kernel = native_int4_kernel(ops)
     torch.manual_seed(rows)
     weight, x = torch.randn(192, 96) * 0.05, torch.randn(rows, 96)  # 3 panels, 3 groups
     quantized, dequantized = quantize_int4(weight, kernel)
@@ -100,6 +111,24 @@ def test_native_int4_computes_the_dequantized_weight_in_float32(ops, rows):
     torch.testing.assert_close(quantized(x), quantize_int4(weight)[0](x.bfloat16()).float(), rtol=2e-2, atol=2e-2)
     # An output size that is no multiple of its 64-row panel keeps torch's layout and kernel.
     assert not isinstance(quantize_int4(torch.randn(80, 96), kernel)[0], NativeInt4Weight)
+
+
+@pytest.mark.parametrize("rows_alone", [True, False])
+def test_native_int4_row_alone_equals_it_in_a_batch(ops, int4_path, rows_alone):
+    """A row's result does not depend on its neighbours or their count once it takes a given path;
+    rows_alone (batch-invariant mode) keeps one path at every count, so a row alone equals it in any
+    batch. Without it, AMX hands a lone row to AVX-512: equal up to float32 reassociation."""
+    kernel = native_int4_kernel(ops)
+    torch.manual_seed(7)
+    weight, x = torch.randn(128, 160) * 0.05, torch.randn(20, 160).bfloat16()  # 2 panels, 5 groups
+    quantized, _ = quantize_int4(weight, kernel)
+    batch = quantized(x.float(), rows_alone=rows_alone)
+    assert torch.equal(quantized(x[3:11].float(), rows_alone=rows_alone), batch[3:11])  # 8 of 20 rows
+    alone = torch.cat([quantized(x[i:i + 1].float(), rows_alone=rows_alone) for i in range(len(x))])
+    if rows_alone or int4_path == "avx512":
+        assert torch.equal(alone, batch)
+    else:
+        torch.testing.assert_close(alone, batch, rtol=1e-5, atol=1e-5)
 
 
 def test_shapes_the_kernels_refuse_stay_dense():

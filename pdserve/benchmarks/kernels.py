@@ -2,8 +2,8 @@
 `python -m pdserve.benchmarks.engine --kernels`.
 
 - int4 projection: 30 layers' gate/up (3072 x 576, 30 distinct weights, as a step streams them) at
-  1 / 8 / 16 rows: `int4_linear` (AVX512-BF16 CPUs), torch's int4 kernel, oneDNN bf16 on the
-  dequantized weight.
+  1 / 2 / 4 / 8 / 16 rows: `int4_linear` (AVX512-BF16 CPUs; where the CPU has AMX, also without its
+  tiles: `int4_linear_avx512`), torch's int4 kernel, oneDNN bf16 on the dequantized weight.
 - Decode attention: 30 layers' bf16 KV (9 query heads, 3 KV heads of 64; blocks of 16, scattered as
   a pool leaves them), 1 x 2048, 8 x 2048 and 8 x 128 keys: the C++ kernel, and the GB/s of KV it reads.
 - The int8 output head (49152 x 576, Q8_0 groups) at 1 / 8 rows: `int8_head` against float32 F.linear
@@ -24,7 +24,7 @@ from pdserve.models.quantization import INT8_GROUP, native_int4_kernel, quantize
 LAYERS = 30
 HIDDEN, GATE_UP, VOCAB = 576, 3072, 49152
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-INT4_ROWS = (1, 8, 16)
+INT4_ROWS = (1, 2, 4, 8, 16)
 ATTENTION_CASES = ((1, 2048), (8, 2048), (8, 128))
 HEAD_ROWS = (1, 8)
 
@@ -47,6 +47,10 @@ def int4_projection(ops: ModuleType, repeats: int) -> dict:
                                                    for w in dense], repeats)}
         if native is not None:
             entry["int4_linear"] = median_ms(lambda: [q(x) for q in native], repeats)
+            if ops.int4_amx_available():  # the same kernel without its AMX tiles, to see what they buy
+                previous = ops.set_int4_amx(False)
+                entry["int4_linear_avx512"] = median_ms(lambda: [q(x) for q in native], repeats)
+                ops.set_int4_amx(previous)
         results[str(rows)] = entry
     int4_bytes = sum(q.nbytes for q in torch_int4)
     return {"rows": results, "int4_mib": int4_bytes / 2**20}
@@ -91,7 +95,7 @@ def run(ops: ModuleType, repeats: int = 20) -> dict:
 
 def markdown(results: dict) -> list[str]:
     int4, rows = results["int4_projection"], results["int4_projection"]["rows"]
-    kinds = [k for k in ("int4_linear", "torch_int4", "onednn_bf16") if k in rows[str(INT4_ROWS[0])]]
+    kinds = [k for k in ("int4_linear", "int4_linear_avx512", "torch_int4", "onednn_bf16") if k in rows[str(INT4_ROWS[0])]]
     lines = [f"int4 projection, {LAYERS} x gate/up ({GATE_UP} x {HIDDEN}; {int4['int4_mib']:.1f} MiB of int4), ms:", "",
              "| rows | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
     lines += [f"| {r} | " + " | ".join(f"{rows[r][k]:.2f}" for k in kinds) + " |" for r in rows]

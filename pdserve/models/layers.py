@@ -75,14 +75,15 @@ class Linear(nn.Linear):
         if self.quantized is None or decode_rows == 0 or not few:
             return dense(x)
         # The quantized kernels compute each row alone (tests/test_batch_invariant.py checks it on
-        # every machine), so batch-invariant decode rows need no fixed blocks: padding them cost 3x.
+        # every machine; int4 on AMX told to keep one path at any count), so batch-invariant decode
+        # rows need no fixed blocks: padding them cost 3x.
         decoded = self._quantized(x[:decode_rows])
         if self.bias is not None:
             decoded = decoded + self.bias
         return decoded if decode_rows == x.shape[0] else torch.cat((decoded, dense(x[decode_rows:])))
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quantized(x)
+        return self.quantized(x, rows_alone=self.batch_invariant)
 
     def _dense_in_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return in_fixed_blocks(self._dense, x)

@@ -4,7 +4,8 @@ A decode step streams every weight once, so at small batch its time is weight by
 bandwidth. int4 (groups of 32 along the input, a bf16 scale and offset each: GGUF's Q4_1 layout)
 reads 0.625 bytes a weight, ~1/6 of float32's; int8 (one scale per output channel) ~1/4. int4 runs on
 pdserve's C++ `int4_linear` where the CPU has bf16 dot products (AVX512-BF16: csrc/int4_linear.cpp,
-its own code layout; at the read bandwidth at batch 1, 1.5x torch's kernel at 8 rows), elsewhere on
+its own code layout; at the read bandwidth at batch 1; from 2 rows on AMX tiles where the CPU has
+them, 2.9x its AVX-512 path at 8 rows and 4.4x at 16), elsewhere on
 torch's CPU kernel (`_weight_int4pack_mm_for_cpu`); int8 on torch's `_weight_int8pack_mm`. Each
 takes bfloat16 activations (torch's float32 path is a scalar one ~10x slower), so a small batch is
 cast to bf16 (and torch's kernels' output back).
@@ -69,7 +70,7 @@ class Int4Weight:
     packed: torch.Tensor  # torch's CPU int4 layout, uint8 [N, K / 2]
     scales_and_zeros: torch.Tensor  # bf16 [K / group, N, 2]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:  # rows alone at any count
         out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_and_zeros)
         return out.to(x.dtype)
 
@@ -85,10 +86,11 @@ class NativeInt4Weight:
 
     codes: torch.Tensor  # int16 [N / 64, K / 32 * 512]: 4 codes per 16-bit lane
     scales_and_zeros: torch.Tensor  # bf16 [N / 64, K / 32 * 128]
-    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    kernel: Callable[..., torch.Tensor]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # float32 or bf16 in, the same dtype out
-        return self.kernel(x.contiguous(), self.codes, self.scales_and_zeros)
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:  # float32 or bf16 in and out
+        """rows_alone: one kernel path at any row count (on AMX, one row would take AVX-512's)."""
+        return self.kernel(x.contiguous(), self.codes, self.scales_and_zeros, rows_alone)
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +104,7 @@ class Int8Weight:
     codes: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # bf16 [N]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:  # rows alone at any count
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
 
     @property
