@@ -49,7 +49,7 @@ def quantized_gemms(ops) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     head = quantize_int8_groups(WEIGHT)
     found = {"int4": lambda x: int4(x.bfloat16()), "int8": lambda x: int8(x.bfloat16())}
     if ops is not None:
-        found["int8 head"] = lambda x: ops.int8_head(x.float().contiguous(), head.codes, head.scales)
+        found["int8 head"] = lambda x: ops.int8_head(x.float().contiguous(), head.codes, head.scales, rows_alone=True)
     if native_int4_kernel(ops) is not None:  # AVX512-BF16 CPUs
         native_int4, _ = quantize_int4(WEIGHT, native_int4_kernel(ops))
         # As batch-invariant layers call it: one path at any row count (AMX's tiles where present).

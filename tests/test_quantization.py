@@ -15,18 +15,22 @@ from test_model_vs_transformers import CHATS, PROMPTS, assert_bf16_logits_close,
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.models.native import native_ops
 from pdserve.models.registry import read_model_config
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.models.quantization import (
     INT4_GROUP,
+    INT8_GROUP,
     NativeInt4Weight,
     can_quantize,
     int4_codes,
     native_int4_kernel,
     quantize_int4,
     quantize_int8,
+    quantize_int8_groups,
     resolve_quantization,
 )
+from pdserve.platform import kernel_mode
 from pdserve.proxy.health import engine_info
 
 # A token is "tied" with the reference's argmax when its reference logit is within this of the
@@ -84,23 +88,23 @@ def test_kernels_compute_the_dequantized_weight(method, rows):
 
 
 @pytest.fixture(params=["amx", "avx512"])
-def int4_path(request, ops):
-    """int4_linear on AMX tiles (2 rows or more, where the CPU has them) or on AVX-512 alone."""
-    if native_int4_kernel(ops) is None:
-        pytest.skip("this CPU has no AVX512-BF16: int4 decodes on torch's kernel (tested above)")
-    if request.param == "amx" and not ops.int4_amx_available():
+def kernel_path(request, ops):
+    """pdserve's kernels on AMX tiles (where the CPU has them) or on AVX-512 alone."""
+    if request.param == "amx" and not ops.amx_available():
         pytest.skip("this CPU has no AMX tiles (or the OS does not grant them)")
-    previous = ops.set_int4_amx(request.param == "amx")
+    previous = ops.set_amx(request.param == "amx")
     yield request.param
-    ops.set_int4_amx(previous)
+    ops.set_amx(previous)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 33])
-def test_native_int4_computes_the_dequantized_weight_in_float32(ops, int4_path, rows):
+def test_native_int4_computes_the_dequantized_weight_in_float32(ops, kernel_path, rows):
     """pdserve's int4_linear (AVX512-BF16, AMX tiles where present): x rounded to bf16 times the
     dequantized weight, summed in float32 (torch's kernel rounds its output to bf16); the bf16
     result is the float32 one rounded. 17 and 33 rows take AMX's chunks of 9 / 11 rows, padded."""
     kernel = native_int4_kernel(ops)
+    if kernel is None:
+        pytest.skip("this CPU has no AVX512-BF16: int4 decodes on torch's kernel (tested above)")
     torch.manual_seed(rows)
     weight, x = torch.randn(192, 96) * 0.05, torch.randn(rows, 96)  # 3 panels, 3 groups
     quantized, dequantized = quantize_int4(weight, kernel)
@@ -113,19 +117,39 @@ def test_native_int4_computes_the_dequantized_weight_in_float32(ops, int4_path, 
     assert not isinstance(quantize_int4(torch.randn(80, 96), kernel)[0], NativeInt4Weight)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17])
+def test_int8_head_computes_float32_logits(ops, kernel_path, rows):
+    """The int8 head (AVX-512 or AMX tiles, where x is split into three bf16 parts) equals a float64
+    product with the dequantized weight to float32 rounding; rows_alone keeps a row's logits the same
+    alone as in any batch."""
+    torch.manual_seed(rows)
+    head = quantize_int8_groups(torch.randn(96, 160) * 0.05)  # 6 blocks of 16 columns, 5 groups
+    weight = (head.codes.double().reshape(96, -1, INT8_GROUP) * head.scales.double().unsqueeze(-1)).reshape(96, 160)
+    x = torch.randn(rows, 160) * 3
+    out = ops.int8_head(x, head.codes, head.scales)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), x.double() @ weight.t(), atol=1e-5, rtol=1e-6)
+    batched = ops.int8_head(x, head.codes, head.scales, rows_alone=True)
+    alone = torch.cat([ops.int8_head(x[i:i + 1].contiguous(), head.codes, head.scales, rows_alone=True)
+                       for i in range(rows)])
+    assert torch.equal(alone, batched)
+
+
 @pytest.mark.parametrize("rows_alone", [True, False])
-def test_native_int4_row_alone_equals_it_in_a_batch(ops, int4_path, rows_alone):
+def test_native_int4_row_alone_equals_it_in_a_batch(ops, kernel_path, rows_alone):
     """A row's result does not depend on its neighbours or their count once it takes a given path;
     rows_alone (batch-invariant mode) keeps one path at every count, so a row alone equals it in any
     batch. Without it, AMX hands a lone row to AVX-512: equal up to float32 reassociation."""
     kernel = native_int4_kernel(ops)
+    if kernel is None:
+        pytest.skip("this CPU has no AVX512-BF16: int4 decodes on torch's kernel (tested above)")
     torch.manual_seed(7)
     weight, x = torch.randn(128, 160) * 0.05, torch.randn(20, 160).bfloat16()  # 2 panels, 5 groups
     quantized, _ = quantize_int4(weight, kernel)
     batch = quantized(x.float(), rows_alone=rows_alone)
     assert torch.equal(quantized(x[3:11].float(), rows_alone=rows_alone), batch[3:11])  # 8 of 20 rows
     alone = torch.cat([quantized(x[i:i + 1].float(), rows_alone=rows_alone) for i in range(len(x))])
-    if rows_alone or int4_path == "avx512":
+    if rows_alone or kernel_path == "avx512":
         assert torch.equal(alone, batch)
     else:
         torch.testing.assert_close(alone, batch, rtol=1e-5, atol=1e-5)
@@ -227,8 +251,12 @@ def test_pd_on_int4_answers_as_colocated(tmp_path, smollm_dir):
         assert answers == ["The capital of France is Paris."] * 2
         runs = {prompt: [c.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0).choices[0].text
                          for c in (colocated, pd)] for prompt in PROMPTS}
+        # Whether a node's kernels run on AMX tiles, as this machine offers them.
+        ops = native_ops() if kernel_mode() == "auto" else None
+        amx = str(ops is not None and ops.amx()).lower()
         for node in (both, p, d):
-            assert engine_info(httpx.get(node.url + "/metrics").text)["quantization"] == "int4"
+            info = engine_info(httpx.get(node.url + "/metrics").text)
+            assert (info["quantization"], info["amx_tiles"]) == ("int4", amx)
     reference = LLM(str(smollm_dir), kv_cache_memory_gib=0.05)  # the nodes' defaults, in this process
     for prompt, (ours, theirs) in runs.items():
         ids = tok.encode(prompt)

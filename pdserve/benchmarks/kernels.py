@@ -6,14 +6,15 @@
   tiles: `int4_linear_avx512`), torch's int4 kernel, oneDNN bf16 on the dequantized weight.
 - Decode attention: 30 layers' bf16 KV (9 query heads, 3 KV heads of 64; blocks of 16, scattered as
   a pool leaves them), 1 x 2048, 8 x 2048 and 8 x 128 keys: the C++ kernel, and the GB/s of KV it reads.
-- The int8 output head (49152 x 576, Q8_0 groups) at 1 / 8 rows: `int8_head` against float32 F.linear
-  on the dequantized weight.
+- The int8 output head (49152 x 576, Q8_0 groups) at 1 / 4 / 8 / 16 rows: `int8_head` (where the CPU
+  has AMX, also without its tiles: `int8_head_avx512`) against float32 F.linear on the dequantized weight.
 Each figure is the median of `repeats` timed calls after one warm-up, in milliseconds.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ HIDDEN, GATE_UP, VOCAB = 576, 3072, 49152
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 INT4_ROWS = (1, 2, 4, 8, 16)
 ATTENTION_CASES = ((1, 2048), (8, 2048), (8, 128))
-HEAD_ROWS = (1, 8)
+HEAD_ROWS = (1, 4, 8, 16)
 
 
 def int4_projection(ops: ModuleType, repeats: int) -> dict:
@@ -47,10 +48,8 @@ def int4_projection(ops: ModuleType, repeats: int) -> dict:
                                                    for w in dense], repeats)}
         if native is not None:
             entry["int4_linear"] = median_ms(lambda: [q(x) for q in native], repeats)
-            if ops.int4_amx_available():  # the same kernel without its AMX tiles, to see what they buy
-                previous = ops.set_int4_amx(False)
-                entry["int4_linear_avx512"] = median_ms(lambda: [q(x) for q in native], repeats)
-                ops.set_int4_amx(previous)
+            if ops.amx_available():  # the same kernel without its AMX tiles, to see what they buy
+                entry["int4_linear_avx512"] = without_amx(ops, lambda: median_ms(lambda: [q(x) for q in native], repeats))
         results[str(rows)] = entry
     int4_bytes = sum(q.nbytes for q in torch_int4)
     return {"rows": results, "int4_mib": int4_bytes / 2**20}
@@ -83,9 +82,22 @@ def int8_head(ops: ModuleType, repeats: int) -> dict:
     results = {}
     for rows in HEAD_ROWS:
         x = torch.randn(rows, HIDDEN)
-        results[str(rows)] = {"int8_head": median_ms(lambda: ops.int8_head(x, head.codes, head.scales), repeats),
-                              "float32_linear": median_ms(lambda: F.linear(x, dequantized), repeats)}
+        entry = {"int8_head": median_ms(lambda: ops.int8_head(x, head.codes, head.scales), repeats),
+                 "float32_linear": median_ms(lambda: F.linear(x, dequantized), repeats)}
+        if ops.amx_available():
+            entry["int8_head_avx512"] = without_amx(ops, lambda: median_ms(
+                lambda: ops.int8_head(x, head.codes, head.scales), repeats))
+        results[str(rows)] = entry
     return results
+
+
+def without_amx(ops: ModuleType, measure: Callable[[], float]) -> float:
+    """`measure` with pdserve's kernels off AMX's tiles (on AVX-512 alone)."""
+    previous = ops.set_amx(False)
+    try:
+        return measure()
+    finally:
+        ops.set_amx(previous)
 
 
 def run(ops: ModuleType, repeats: int = 20) -> dict:
@@ -102,6 +114,9 @@ def markdown(results: dict) -> list[str]:
     lines += ["", f"Decode attention, {LAYERS} layers, bf16 KV ({HEADS} heads, {KV_HEADS} KV heads of {HEAD_DIM}):", "",
               "| batch x context | ms | KV read GB/s |", "|---|---|---|"]
     lines += [f"| {case} | {v['ms']:.2f} | {v['kv_gbs']:.1f} |" for case, v in results["attention"].items()]
-    lines += ["", f"Output head ({VOCAB} x {HIDDEN}), ms:", "", "| rows | int8_head | float32 F.linear |", "|---|---|---|"]
-    lines += [f"| {r} | {v['int8_head']:.2f} | {v['float32_linear']:.2f} |" for r, v in results["int8_head"].items()]
+    head = results["int8_head"]
+    head_kinds = [k for k in ("int8_head", "int8_head_avx512", "float32_linear") if k in head[str(HEAD_ROWS[0])]]
+    lines += ["", f"Output head ({VOCAB} x {HIDDEN}), ms:", "", "| rows | " + " | ".join(head_kinds) + " |",
+              "|---" * (len(head_kinds) + 1) + "|"]
+    lines += [f"| {r} | " + " | ".join(f"{v[k]:.2f}" for k in head_kinds) + " |" for r, v in head.items()]
     return lines

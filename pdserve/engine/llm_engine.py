@@ -28,6 +28,7 @@ from pdserve.kv.transport import uses_shared_pool
 from pdserve.models.loader import kv_cache_spec
 from pdserve.models.locate import resolve_model_dir
 from pdserve.models.parallel import TensorParallel
+from pdserve.models.native import native_ops
 from pdserve.models.quantization import resolve_quantization
 from pdserve.models.registry import model_class, read_model_config
 from pdserve.models.tokenizer import Tokenizer
@@ -273,9 +274,12 @@ class LLMEngine:
 
     def labels(self) -> dict[str, str]:
         """How this engine computes: the kernel plan, the weights' quantization, the decode attention,
-        whether decode steps run fused (models/decode_stack.py)."""
+        whether pdserve's kernels (int4 projections, int8 head) run on AMX tiles, whether decode steps
+        run fused (models/decode_stack.py)."""
         fused = self.model_runner.model.decode_stack is not None
+        ops = native_ops() if self.plan.compiled else None
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
+                "amx_tiles": str(ops is not None and ops.amx()).lower(),
                 "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower(),

@@ -116,7 +116,8 @@ class OutputHead(Linear):
         return super().forward(x.float(), decode_rows if self.native is not None else 0)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native.int8_head(x.contiguous(), self.quantized.codes, self.quantized.scales)
+        return self.native.int8_head(x.contiguous(), self.quantized.codes, self.quantized.scales,
+                                     rows_alone=self.batch_invariant)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -25,11 +25,12 @@ from pdserve.platform import CpuInfo
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "int8_head.cpp",
-                                   "int4_linear.cpp", "decode_stack.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "kernels.h"]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "amx.cpp", "paged_decode_attention.cpp", "fused_ops.cpp",
+                                   "int8_head.cpp", "int4_linear.cpp", "decode_stack.cpp")]
+HEADERS = [CSRC / "vec_math.h", CSRC / "kernels.h", CSRC / "amx.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"
+AMX_ENV = "PDSERVE_AMX"  # "0": pdserve's kernels leave AMX's tiles alone (to compare, or to rule them out)
 STALE_BUILD_LOCK_S = 600.0  # a build takes about a minute here; a lock this old belongs to a killed one
 
 
@@ -91,8 +92,11 @@ def remove_stale_lock(lock: Path) -> None:
 def native_ops() -> ModuleType | None:
     """The compiled kernels, or None (logged once) where they cannot be built here."""
     try:
-        return build()
+        ops = build()
     except Exception as exc:  # no compiler, no ninja, a failed build: the portable path still runs
         logger.warning("pdserve's C++ decode attention is unavailable (%s); decode attention runs "
                        "torch's SDPA over gathered blocks", str(exc).strip().splitlines()[-1] if str(exc) else exc)
         return None
+    if os.environ.get(AMX_ENV) == "0":
+        ops.set_amx(False)  # int4 projections and the int8 head on AVX-512 alone, as on a CPU without AMX
+    return ops

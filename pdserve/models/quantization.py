@@ -89,7 +89,7 @@ class NativeInt4Weight:
     kernel: Callable[..., torch.Tensor]
 
     def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:  # float32 or bf16 in and out
-        """rows_alone: one kernel path at any row count (on AMX, one row would take AVX-512's)."""
+        """rows_alone: one kernel path at any row count (on AMX, one row takes AVX-512's otherwise)."""
         return self.kernel(x.contiguous(), self.codes, self.scales_and_zeros, rows_alone)
 
     @property

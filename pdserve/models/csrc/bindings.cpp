@@ -1,5 +1,6 @@
 // The Python module of pdserve's C++ kernels (built by pdserve/models/native.py).
 
+#include "amx.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -9,16 +10,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place), then RMSNorm of residual into out");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("int8_head", &int8_head, "x @ (int8 codes * group scales).T in float32: the output head's logits");
+  m.def("int8_head", &int8_head, "x @ (int8 codes * group scales).T in float32: the output head's logits",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("rows_alone") = false);
+  m.def("amx_available", &amx_available, "whether pdserve's kernels can run on AMX tiles here");
+  m.def("amx", &amx_runs, "whether pdserve's kernels run on AMX tiles");
+  m.def("set_amx", [](bool enabled) {
+    const bool previous = amx_enabled;
+    amx_enabled = enabled;
+    return previous;
+  }, "pdserve's kernels on AMX tiles where available (true) or on AVX-512 alone; returns the previous setting");
 #if defined(__AVX512BF16__)  // only where the CPU has bf16 dot products; elsewhere torch's int4 kernel runs
   m.def("int4_linear", &int4_linear, "x @ (int4 codes * group scale + zero).T on bf16 dot products (AMX tiles "
         "where the CPU has them)", py::arg("x"), py::arg("codes"), py::arg("scales_zeros"), py::arg("rows_alone") = false);
-  m.def("int4_amx_available", &int4_amx_available, "whether int4_linear can run on AMX tiles here");
-  m.def("set_int4_amx", [](bool enabled) {
-    const bool previous = int4_amx_enabled;
-    int4_amx_enabled = enabled;
-    return previous;
-  }, "int4_linear on AMX tiles where available (true) or on AVX512-BF16 alone; returns the previous setting");
   bind_decode_stack(m);  // DecodeStack: a decode step through a Llama-family model's layers (its projections int4)
 #endif
 }

@@ -20,10 +20,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+#include <immintrin.h>
 
 #include <array>
 #include <cstring>
@@ -31,8 +30,6 @@
 #include <vector>
 
 #if defined(__AVX512BF16__)
-
-bool int4_amx_enabled = true;
 
 namespace {
 
@@ -110,7 +107,7 @@ void tile(const uint16_t* xb, const float* sums, int64_t k, const uint16_t* code
 
 constexpr int64_t kPassRows = 2;  // rows a panel's pass computes (more spill registers or starve the prefetcher)
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(PDSERVE_AMX)
 // The same sums on AMX tiles (Sapphire Rapids and later): a group's 16 k pairs x 16 columns of 128 + q,
 // unpacked as above, are one B tile in the VNNI layout `tdpbf16ps` takes (a row is a k pair, a column's
 // two bf16 side by side: the very vectors the AVX-512 path feeds `vdpbf16ps`), and the rows of x over
@@ -122,21 +119,6 @@ constexpr int64_t kTileRows = 16;
 // Fewer rows than this run on the AVX-512 path (SmolLM2's 30 gate/up projections on a Xeon with AMX:
 // 1 row 2.0 ms there vs 2.7 on tiles, 2 rows 3.1 vs 3.1, 4 rows 6.7 vs 3.2, 16 rows 25.6 vs 5.8).
 constexpr int64_t kAmxMinRows = 2;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the AMX tile state only to a process that asks for it (oneDNN asks too).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
 
 // Tiles: 0 = A (R rows of x over a group's 32 k), 1 / 6 / 7 = B (a block's unpacked group: 16 k pairs x
 // 16 columns x 2), 2..5 = C (a block's R x 16 float32 products).
@@ -220,14 +202,6 @@ constexpr auto kAmxPanels = amx_panels(std::make_integer_sequence<int, kTileRows
 
 }  // namespace
 
-bool int4_amx_available() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
-
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros, bool rows_alone) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be contiguous float32 or bfloat16 [M, K]");
@@ -253,9 +227,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   float* o = out.data_ptr<float>();
   const uint16_t* q = reinterpret_cast<const uint16_t*>(codes.data_ptr<int16_t>());
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(PDSERVE_AMX)
   // Where AMX runs, batch-invariant callers (rows_alone) take it at any row count: every row one path.
-  if (m > 0 && int4_amx_enabled && amx_permitted() && (rows_alone || m >= kAmxMinRows)) {
+  if (m > 0 && amx_runs() && (rows_alone || m >= kAmxMinRows)) {
     // Rows in even chunks of at most 16 (an A tile), zero-padded to the chunk size.
     const int64_t chunks = (m + kTileRows - 1) / kTileRows, rows = (m + chunks - 1) / chunks;
     std::vector<uint16_t> padded(chunks * rows * k, 0);

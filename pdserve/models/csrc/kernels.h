@@ -10,12 +10,10 @@ void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, 
                   at::Tensor& out, double eps);
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
-at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
-#if defined(__AVX512BF16__)
 // rows_alone: every row takes the same kernel path whatever the row count (batch-invariant mode).
+at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool rows_alone = false);
+#if defined(__AVX512BF16__)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros,
                        bool rows_alone = false);
-extern bool int4_amx_enabled;  // int4_linear takes its AMX path where it can (benchmarks turn it off to compare)
-bool int4_amx_available();
 void bind_decode_stack(pybind11::module& m);
 #endif
