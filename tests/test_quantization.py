@@ -24,6 +24,7 @@ from pdserve.models.quantization import (
     NativeInt4Weight,
     can_quantize,
     int4_codes,
+    max_quantized_rows,
     native_int4_kernel,
     quantize_int4,
     quantize_int8,
@@ -133,6 +134,20 @@ def test_int8_head_computes_float32_logits(ops, kernel_path, rows):
     alone = torch.cat([ops.int8_head(x[i:i + 1].contiguous(), head.codes, head.scales, rows_alone=True)
                        for i in range(rows)])
     assert torch.equal(alone, batched)
+
+
+def test_decode_rows_on_the_quantized_kernels_follow_the_tiles(ops, kernel_path, smollm_dir):
+    """Up to 32 decode rows a step on pdserve's kernels where they run on AMX tiles (the loaded
+    model's projections, head and fused step), 16 on AVX-512 and on torch's kernels."""
+    rows = 32 if kernel_path == "amx" else 16
+    if native_int4_kernel(ops) is not None:
+        assert max_quantized_rows(quantize_int4(torch.randn(64, 64), native_int4_kernel(ops))[0], ops) == rows
+    assert max_quantized_rows(quantize_int4(torch.randn(64, 64))[0], ops) == 16  # torch's int4 kernel
+    assert max_quantized_rows(quantize_int8(torch.randn(64, 64))[0], ops) == 16  # torch's int8 kernel
+    model = LLM(str(smollm_dir), dtype="bfloat16", quantization="int4", kv_cache_memory_gib=0.02).engine.model_runner.model
+    assert model.lm_head.max_quantized_rows == rows
+    if native_int4_kernel(ops) is not None:
+        assert model.layers[0].mlp.gate_up_proj.max_quantized_rows == model.decode_stack_rows == rows
 
 
 @pytest.mark.parametrize("rows_alone", [True, False])

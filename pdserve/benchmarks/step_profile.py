@@ -54,9 +54,9 @@ class AnnotatedOps:
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._ops, name)
 
-        def annotated(*args: Any) -> Any:
+        def annotated(*args: Any, **kwargs: Any) -> Any:
             with torch.profiler.record_function(f"native::{name}"):
-                return fn(*args)
+                return fn(*args, **kwargs)
 
         return annotated
 

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.layers import MLP, DecoderLayer, Linear, QKVAttention
-from pdserve.models.quantization import MAX_QUANTIZED_ROWS, NativeInt4Weight
+from pdserve.models.quantization import NativeInt4Weight
 
 
 def build_decode_stack(model: Any, ops: ModuleType, one_rope: bool) -> Any | None:
@@ -61,9 +61,10 @@ def _projection(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return linear.quantized.codes, linear.quantized.scales_and_zeros, bias
 
 
-def runs_fused(meta: AttentionMetadata | list[AttentionMetadata]) -> bool:
+def runs_fused(meta: AttentionMetadata | list[AttentionMetadata], max_rows: int) -> bool:
     """Whether a step with this metadata is one the DecodeStack runs: one KV group, every row a
-    decode (as many as the int4 kernel takes) in one group of the C++ decode attention."""
+    decode (at most `max_rows`: as many as the int4 kernel takes) in one group of the C++ decode
+    attention."""
     return (isinstance(meta, AttentionMetadata) and meta.decode_kernel is not None and meta.rows_alone is None
             and not meta.prefills and len(meta.decode_groups) == 1
-            and 0 < meta.num_decodes == len(meta.slot_mapping) and meta.num_decodes <= MAX_QUANTIZED_ROWS)
+            and 0 < meta.num_decodes == len(meta.slot_mapping) and meta.num_decodes <= max_rows)

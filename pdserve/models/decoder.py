@@ -22,7 +22,7 @@ from pdserve.models.contract import LayerHook
 from pdserve.models.decode_stack import build_decode_stack, runs_fused
 from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding, Rotation
 from pdserve.models.parallel import TensorParallel
-from pdserve.models.quantization import INT8_GROUP, can_quantize
+from pdserve.models.quantization import INT8_GROUP, MAX_QUANTIZED_ROWS, can_quantize, max_quantized_rows
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,10 @@ class DecoderLM(nn.Module):
     # logits) and the embedding (tied to it in many models; the residual stream is float32 anyway).
     float32_weights: tuple[str, ...] = ("embed_tokens.weight", "lm_head.weight")
     compute_dtype: torch.dtype = torch.float32
-    # The fused decode step (models/decode_stack.py), where pdserve's kernels can run these layers.
+    # The fused decode step (models/decode_stack.py), where pdserve's kernels can run these layers,
+    # for steps of at most decode_stack_rows decodes (what its int4 projections take).
     decode_stack: Any = None
+    decode_stack_rows = MAX_QUANTIZED_ROWS
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layers: Iterable[nn.Module],
                  rope: RotaryEmbedding) -> None:
@@ -59,7 +61,7 @@ class DecoderLM(nn.Module):
         # The residual stream stays in float32 whatever the weights' dtype: it carries activations
         # in the tens of thousands, where bfloat16 would round away the layers' contributions.
         residual = self.embed(input_ids)
-        if self.decode_stack is not None and after_layer is None and runs_fused(meta):
+        if self.decode_stack is not None and after_layer is None and runs_fused(meta, self.decode_stack_rows):
             group = meta.decode_groups[0]
             delta = self.decode_stack.forward(residual, positions, self.rope.cos, self.rope.sin, kv_caches,
                                               meta.slot_mapping, group.block_tables, group.context_lens,
@@ -132,11 +134,16 @@ class DecoderLM(nn.Module):
         self.decode_stack = None  # its kernels compute rows alone, but its attention partitions by batch
 
     def use_native_kernels(self, ops: ModuleType) -> None:
-        """Run the elementwise chains on pdserve's C++ kernels (models/native.py)."""
+        """Run the elementwise chains on pdserve's C++ kernels (models/native.py), and as many decode
+        rows on the quantized kernels as they take (more on AMX tiles)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, OutputHead)):
                 module.native = ops
+            if isinstance(module, Linear):
+                module.max_quantized_rows = max_quantized_rows(module.quantized, ops)
         self.decode_stack = build_decode_stack(self, ops, one_rope=type(self).rotations is DecoderLM.rotations)
+        self.decode_stack_rows = min((m.max_quantized_rows for m in self.layers.modules() if isinstance(m, Linear)),
+                                     default=MAX_QUANTIZED_ROWS)
 
     def quantize(self, method: str, int4_kernel: Callable | None = None) -> dict[str, int]:
         """Quantize the projections to `method` (int4 | int8; int4 laid out for `int4_kernel`, pdserve's,

@@ -53,6 +53,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    max_quantized_rows = MAX_QUANTIZED_ROWS  # decode rows a step runs on `quantized` (set with the native kernels)
     batch_invariant = False  # models/batch_invariant.py
 
     def quantize(self, method: str, int4_kernel: Callable | None = None) -> None:
@@ -71,7 +72,7 @@ class Linear(nn.Linear):
         depend on what else is in the batch: a decode node and a colocated one compute it alike.
         Batch-invariant: decode rows take the kernel at any count, and GEMMs run in fixed blocks."""
         dense = self._dense_in_blocks if self.batch_invariant else self._dense
-        few = decode_rows <= MAX_QUANTIZED_ROWS or self.batch_invariant
+        few = decode_rows <= self.max_quantized_rows or self.batch_invariant
         if self.quantized is None or decode_rows == 0 or not few:
             return dense(x)
         # The quantized kernels compute each row alone (tests/test_batch_invariant.py checks it on
@@ -101,7 +102,7 @@ class OutputHead(Linear):
     (bf16 logits, a step of 0.125 at SmolLM2's magnitudes, made greedy ties and wrong answers).
 
     Its weight stays float32 whatever the model's dtype: the file's values (a tied embedding reads
-    them too). Decode rows, while at most MAX_QUANTIZED_ROWS, run on int8 codes in groups of 32
+    them too). Decode rows, while at most `max_quantized_rows`, run on int8 codes in groups of 32
     (GGUF's Q8_0 layout; 1/4 of the bytes a decode step streams) through pdserve's C++ `int8_head`,
     which takes and writes float32; prefill rows, bigger batches and the portable path (no C++
     kernels) take a float32 GEMM."""
