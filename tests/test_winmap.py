@@ -44,6 +44,15 @@ def test_the_measured_map_report_and_plot_from_runs(tmp_path):
     assert "| summarize | itl | 0.4 | 0.03 | – | 0.09 | – | – | (c) PD | 3.00x | 3.00x | – | 0 % |" in text
     plot(res, tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 10_000
+    # Auto runs once per SLO set: a cell judges only the auto run tuned to its own set.
+    setups = res["workloads"]["summarize"]["setups"]
+    setups["e:itl"] = [fake_run(rates, [1.6, 1.6, 1.6])]  # judged on itl: 0.4 req/s
+    setups["e:ttft+tpot"] = [fake_run(rates, [0.0, 0.0, 0.0])]
+    again = measured_map(res)
+    assert [c["goodput"]["e"] for c in again["summarize"]["itl"]] == [0.4] * 3
+    assert again["summarize"]["itl"][0]["winner"] == "e"
+    assert [c["goodput"]["e"] for c in again["summarize"]["ttft+tpot"]] == [0.0] * 3
+    assert "e" not in again["summarize"]["ttft+itl"][0]["goodput"]  # no auto run tuned to it
 
 
 def test_the_simulated_map_prices_each_kind_at_n_nodes():

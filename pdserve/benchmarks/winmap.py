@@ -10,10 +10,11 @@ for real with `pdserve up`, one core per node:
   a  colocated x2             b  colocated x2, chunked prefill (256-token steps)
   c  1P1D pull                d  1P1D push
   e  auto over 2 kv_both nodes (per request: prefill where it decodes, or on the other node and
-     pull), with the run's profile and all three SLOs (its nodes get the prefill cap the ITL SLO
-     implies).
-Each run is judged against three SLO sets on the same requests: TTFT + TPOT, TTFT + ITL (a
-request's longest gap between two tokens) and ITL alone. The SLOs come from one idle node, as the
+     pull), with the run's profile, run once per SLO set with that set's SLOs: its placement and
+     the prefill cap an ITL SLO gives its nodes follow the SLOs the cell judges, as a deployment
+     tuned to them would (run with all three, the cap queued prompts and lost TTFT + TPOT).
+Each static run is judged against three SLO sets on the same requests: TTFT + TPOT, TTFT + ITL (a
+request's longest gap between two tokens) and ITL alone; each auto run against its own. The SLOs come from one idle node, as the
 study's: TTFT 2x its long-prompt TTFT, TPOT 1.5x and ITL ITL_SCALE x its decode step.
 
 A cell (workload, SLO set, rate) names the setup of most goodput (mean over --runs runs), its
@@ -79,16 +80,23 @@ def cell(goodputs: dict[str, list[float]]) -> dict:
             "auto_over_static": ratio(by_kind["auto"], static), "noise": noise}
 
 
+def run_key(setup: str, slo_set: str) -> str:
+    """Where a setup's runs are kept: auto's once per SLO set (`e:ttft+itl`), a static one's once."""
+    return f"{setup}:{slo_set}" if KINDS[setup] == "auto" else setup
+
+
 def measured_map(res: dict) -> dict:
-    """{workload: {slo set: [cell per rate]}} from the runs in `res`."""
+    """{workload: {slo set: [cell per rate]}} from the runs in `res`: each static setup's runs, and
+    the auto runs tuned to that SLO set (an earlier map's single auto run, `e`, counts for every set)."""
     out = {}
     for workload, entry in res["workloads"].items():
         out[workload] = {}
         for name in res["slo_sets"]:
+            judged = {key.partition(":")[0]: runs for key, runs in entry["setups"].items()
+                      if key.partition(":")[2] in ("", name)}
             cells = []
             for i in range(len(entry["rates"])):
-                goodputs = {key: [run[i]["goodput_by_slos"][name] for run in runs]
-                            for key, runs in entry["setups"].items()}
+                goodputs = {key: [run[i]["goodput_by_slos"][name] for run in runs] for key, runs in judged.items()}
                 cells.append(cell(goodputs))
             out[workload][name] = cells
     return out
@@ -229,22 +237,26 @@ def main() -> None:
     idle, slos = study_slos(args.dtype, 2.0, 1.5)
     slos["max_itl_ms"] = ITL_SCALE * idle["decode_step_ms"]
     sets = slo_sets(slos)
-    auto = ("--profile", str(profile_path), "--slo", f"ttft:{slos['ttft_ms']:.0f}", f"tpot:{slos['tpot_ms']:.1f}",
-            f"itl:{slos['max_itl_ms']:.0f}")
+    flags = {"ttft_ms": "ttft", "tpot_ms": "tpot", "max_itl_ms": "itl"}
+    auto = {name: ("--profile", str(profile_path), "--slo", *(f"{flags[k]}:{ms:.1f}" for k, ms in s.items()))
+            for name, s in sets.items()}
     res: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": Profile.load(profile_path).meta["cpu"], "dtype": args.dtype,
                  "runs": args.runs, "min_prompts": args.min_prompts, "seconds_per_rate": args.seconds_per_rate,
                  "idle": idle, "slos_ms": slos, "slo_sets": sets, "profile_path": str(profile_path),
                  "setups": {k: asdict(SETUPS[k]) for k in args.setups}, "workloads": {}}
     for workload in args.workloads:
-        entry = res["workloads"][workload] = {"rates": rates[workload], "setups": {k: [] for k in args.setups}}
+        runs = [(key, name) for key in args.setups for name in (sets if KINDS[key] == "auto" else ["ttft+tpot"])]
+        entry = res["workloads"][workload] = {"rates": rates[workload],
+                                              "setups": {run_key(key, name): [] for key, name in runs}}
         for run in range(args.runs):  # the runs of a point apart in time: the host's drift shows as noise
-            for key in args.setups:
-                setup = SETUPS[key]
-                entry["setups"][key].append(run_setup(setup, rates[workload], args.seconds_per_rate, args.min_prompts,
-                                                      args.dtype, sets["ttft+tpot"], workload,
-                                                      auto if KINDS[key] == "auto" else (), sets))
-                for point in entry["setups"][key][-1]:
+            for key, name in runs:
+                auto_run = KINDS[key] == "auto"
+                points = run_setup(SETUPS[key], rates[workload], args.seconds_per_rate, args.min_prompts, args.dtype,
+                                   sets[name], workload, auto[name] if auto_run else (),
+                                   {name: sets[name]} if auto_run else sets)
+                for point in points:
                     point.pop("itls", None)  # per-token gaps: megabytes; the per-request goodputs are kept
+                entry["setups"][run_key(key, name)].append(points)
         Path(args.out).write_text(json.dumps(res))  # a partial map survives an interrupted run
     finish(res, args)
 

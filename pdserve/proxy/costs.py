@@ -35,10 +35,10 @@ def decode_hinges(fit: dict) -> tuple[tuple[float, float, float], tuple[tuple[in
     """A decode-step fit as (a, b, c) of a + b * seqs + c * kv_tokens and its (k, d_k) hinges;
     ValueError when it has other features."""
     features, coefficients = fit["features"], [float(c) for c in fit["coefficients"]]
-    hinges = features[len(DECODE_BASE):]
-    if features[:len(DECODE_BASE)] != DECODE_BASE or not all(re.fullmatch(r"seqs>\d+", h) for h in hinges):
+    hinges = [_HINGE.match(h) for h in features[len(DECODE_BASE):]]
+    if features[:len(DECODE_BASE)] != DECODE_BASE or not all(h and h[1] == "seqs" for h in hinges):
         raise ValueError(f"expected decode features {DECODE_BASE} and seqs>K hinges, got {features}")
-    return tuple(coefficients[:3]), tuple((int(h[5:]), d) for h, d in zip(hinges, coefficients[3:]))
+    return tuple(coefficients[:3]), tuple((int(h[2]), d) for h, d in zip(hinges, coefficients[3:]))
 
 
 @dataclass(frozen=True)
