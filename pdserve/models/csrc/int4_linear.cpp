@@ -170,7 +170,9 @@ void amx_panel(const uint16_t* xb, int64_t valid, const float* sums, int64_t k, 
   const int64_t groups = k / kGroup;
   alignas(64) uint16_t b[kBlocks][16 * 32];
   alignas(64) float c[2][kBlocks][R * 16];
-  alignas(64) float acc[R][kPanel] = {};
+  __m512 acc[R][kBlocks];  // in registers while R is small
+  for (int r = 0; r < R; ++r)
+    for (int blk = 0; blk < kBlocks; ++blk) acc[r][blk] = _mm512_setzero_ps();
   group_products<R>(xb, k, codes, 0, b, c[0]);
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) group_products<R>(xb, k, codes, g + 1, b, c[(g + 1) & 1]);
@@ -180,14 +182,13 @@ void amx_panel(const uint16_t* xb, int64_t valid, const float* sums, int64_t k, 
       const __m512 scale = bf16x16(s);
       const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, bf16x16(s + 16));
       for (int r = 0; r < R; ++r) {
-        __m512 a = _mm512_load_ps(acc[r] + blk * 16);
-        a = _mm512_fmadd_ps(_mm512_load_ps(cg[blk] + r * 16), scale, a);
-        a = _mm512_fmadd_ps(bias, _mm512_set1_ps(sums[r * groups + g]), a);
-        _mm512_store_ps(acc[r] + blk * 16, a);
+        acc[r][blk] = _mm512_fmadd_ps(_mm512_load_ps(cg[blk] + r * 16), scale, acc[r][blk]);
+        acc[r][blk] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sums[r * groups + g]), acc[r][blk]);
       }
     }
   }
-  for (int r = 0; r < valid; ++r) std::memcpy(out + r * out_stride, acc[r], sizeof(acc[r]));
+  for (int r = 0; r < valid; ++r)
+    for (int blk = 0; blk < kBlocks; ++blk) _mm512_storeu_ps(out + r * out_stride + blk * 16, acc[r][blk]);
 }
 
 using AmxPanel = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint16_t*, const uint16_t*, float*,
