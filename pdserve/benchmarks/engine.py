@@ -357,8 +357,8 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
     for dtype, quantization in configs:
         config = profile_decode(args.model, dtype, quantization, BREAKDOWN_BATCHES, BREAKDOWN_CONTEXTS)
         labels = config["engine"]
-        int4 = f", int4 on {labels['int4_kernel']}" if labels.get("int4_kernel", "none") != "none" else ""
-        results["configs"][f"{labels['dtype']} + {labels['quantization']} ({labels['attention']}{int4})"] = config
+        tiles = ", AMX tiles" if labels.get("amx_tiles") == "true" else ""
+        results["configs"][f"{labels['dtype']} + {labels['quantization']} ({labels['attention']}{tiles})"] = config
     meta = results["meta"]
     lines = [f"Command: `python -m pdserve.benchmarks.engine --breakdown"
              f"{f' --model {args.model}' if args.model else ''}"
