@@ -220,6 +220,12 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def goodput_items(slos: dict[str, float]) -> list[str]:
+    """parse_goodput's inverse: {"ttft_ms": 500, ...} -> ["ttft:500.0", ...] (for --slo / --goodput)."""
+    names = {field: key for key, field in SLO_KEYS.items()}
+    return [f"{names[field]}:{ms:.1f}" for field, ms in slos.items()]
+
+
 def meets(result: RequestResult, slos: dict[str, float]) -> bool:
     return result.ok and all(getattr(result, key) <= limit for key, limit in slos.items())
 

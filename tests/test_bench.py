@@ -16,6 +16,7 @@ from pdserve.workload import (
     RequestResult,
     arrival_gaps,
     conversations,
+    goodput_items,
     mixed_dataset,
     multiturn_dataset,
     parse_goodput,
@@ -28,6 +29,7 @@ from pdserve.workload import (
 def test_goodput_parsing():
     assert parse_goodput(["ttft:500", "tpot:50", "e2el:3000"]) == {"ttft_ms": 500, "tpot_ms": 50, "e2el_ms": 3000}
     assert parse_goodput(["itl:200"]) == {"max_itl_ms": 200}
+    assert goodput_items({"ttft_ms": 2343.4, "max_itl_ms": 67.0}) == ["ttft:2343.4", "itl:67.0"]  # its inverse
     for bad, message in (("ttft:abc", "not a number"), ("speed:5", "must be one of"), ("tpot:-1", "> 0")):
         with pytest.raises(ValueError, match=message):
             parse_goodput([bad])

@@ -43,6 +43,7 @@ from pdserve.config import EngineConfig
 from pdserve.plan.planner import Family, Planner, families
 from pdserve.plan.profile import Profile, ProfilePoints, run_profile
 from pdserve.platform import plan_kernels
+from pdserve.workload import goodput_items
 
 SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto, 2 kv_both nodes", ("--mode", "auto", "--nodes", "2"), "auto:2")}
 KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto"}
@@ -237,9 +238,7 @@ def main() -> None:
     idle, slos = study_slos(args.dtype, 2.0, 1.5)
     slos["max_itl_ms"] = ITL_SCALE * idle["decode_step_ms"]
     sets = slo_sets(slos)
-    flags = {"ttft_ms": "ttft", "tpot_ms": "tpot", "max_itl_ms": "itl"}
-    auto = {name: ("--profile", str(profile_path), "--slo", *(f"{flags[k]}:{ms:.1f}" for k, ms in s.items()))
-            for name, s in sets.items()}
+    auto = {name: ("--profile", str(profile_path), "--slo", *goodput_items(s)) for name, s in sets.items()}
     res: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": Profile.load(profile_path).meta["cpu"], "dtype": args.dtype,
                  "runs": args.runs, "min_prompts": args.min_prompts, "seconds_per_rate": args.seconds_per_rate,
                  "idle": idle, "slos_ms": slos, "slo_sets": sets, "profile_path": str(profile_path),

@@ -5,7 +5,7 @@ bandwidth. int4 (groups of 32 along the input, a bf16 scale and offset each: GGU
 reads 0.625 bytes a weight, ~1/6 of float32's; int8 (one scale per output channel) ~1/4. int4 runs on
 pdserve's C++ `int4_linear` where the CPU has bf16 dot products (AVX512-BF16: csrc/int4_linear.cpp,
 its own code layout; at the read bandwidth at batch 1; from 2 rows on AMX tiles where the CPU has
-them, 2.9x its AVX-512 path at 8 rows and 4.4x at 16), elsewhere on
+them, 4.0x its AVX-512 path at 8 rows and 5.0x at 16 in docs/benchmarks.md's kernels run), elsewhere on
 torch's CPU kernel (`_weight_int4pack_mm_for_cpu`); int8 on torch's `_weight_int8pack_mm`. Each
 takes bfloat16 activations (torch's float32 path is a scalar one ~10x slower), so a small batch is
 cast to bf16 (and torch's kernels' output back).
