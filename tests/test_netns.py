@@ -100,7 +100,9 @@ def test_what_a_killed_run_left_is_removed_by_the_next_and_a_live_runs_is_not():
             os.kill(run.pid, signal.SIGKILL)
             run.wait()
             assert len(leftovers(tag, subnet)) == 6
-            with Hosts(1) as mine:  # tagged with this (live) process's pid
+            # Tagged with this (live) process's pid, on a subnet chosen while the killed run's still has
+            # its bridge: the rule to the killed run's subnet seen next can only be a leftover of that run.
+            with Hosts(1, subnet=free_subnet()) as mine:
                 assert leftovers(tag, subnet) == []
                 assert remove_stale() == []  # neither this set nor the one around it is touched
                 assert mine[0].reached() == "" and live[0].reached() == ""
