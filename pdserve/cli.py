@@ -219,7 +219,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def itl_prefill_cap(args: argparse.Namespace) -> None:
     """Auto mode under an ITL SLO: each node also caps the prompt tokens a step takes while streams
-    decode, at the largest chunk the profile says keeps such a step within the SLO."""
+    decode, at the largest chunk the profile says keeps such a step within the SLO; none where not
+    even the smallest chunk does (a cap would then only queue the prompts)."""
     from pdserve.plan.planner import prefill_cap_for
     from pdserve.plan.profile import Profile
     from pdserve.workload import parse_goodput
@@ -227,10 +228,15 @@ def itl_prefill_cap(args: argparse.Namespace) -> None:
     itl_ms = parse_goodput(args.slo).get("max_itl_ms")
     if itl_ms is None or args.no_chunked_prefill:
         return
-    args.max_prefill_tokens_while_decoding = prefill_cap_for(Profile.load(args.profile), itl_ms / 1e3)
-    logging.getLogger("pdserve").info(
-        "auto mode, ITL SLO %g ms: every node computes at most %d prompt tokens a step while streams decode "
-        "(--max-prefill-tokens-while-decoding; give it to choose another)", itl_ms, args.max_prefill_tokens_while_decoding)
+    log = logging.getLogger("pdserve")
+    cap = prefill_cap_for(Profile.load(args.profile), itl_ms / 1e3)
+    if cap is None:
+        log.info("auto mode, ITL SLO %g ms: no prefill cap while streams decode, as the profile says even a 16-token "
+                 "chunk beside a decode step misses it (--max-prefill-tokens-while-decoding sets one)", itl_ms)
+        return
+    args.max_prefill_tokens_while_decoding = cap
+    log.info("auto mode, ITL SLO %g ms: every node computes at most %d prompt tokens a step while streams decode "
+             "(--max-prefill-tokens-while-decoding; give it to choose another)", itl_ms, cap)
 
 
 def split_placement(values: list[str], ray_placement: str | None, ray: bool) -> tuple[str, str]:

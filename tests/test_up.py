@@ -178,6 +178,26 @@ def test_up_auto_without_a_profile_measures_one_then_starts_from_the_cached_one(
         assert profile["meta"]["engine"]["quantization"] == "none"
 
 
+def test_auto_gives_no_prefill_cap_where_the_itl_slo_fits_no_chunk_beside_a_decode_step(caplog):
+    """At ITL 100 ms this profile's decode step of 8 streams (129 ms) misses the SLO alone: a cap
+    would only queue the prompts, so the nodes get none, and the log says why."""
+    import argparse
+    import logging
+
+    from pdserve.cli import itl_prefill_cap
+
+    profile = Path(__file__).resolve().parent.parent / "docs/results/profile.json"
+    args = argparse.Namespace(slo=["ttft:5000", "itl:100"], no_chunked_prefill=False, profile=str(profile),
+                              max_prefill_tokens_while_decoding=None)
+    with caplog.at_level(logging.INFO, logger="pdserve"):
+        itl_prefill_cap(args)
+    assert args.max_prefill_tokens_while_decoding is None
+    assert "no prefill cap while streams decode" in caplog.text
+    args.slo = ["itl:1000"]
+    itl_prefill_cap(args)
+    assert args.max_prefill_tokens_while_decoding == 192
+
+
 def test_up_auto_under_an_itl_slo_caps_each_nodes_prefill_while_decoding(tmp_path, smollm_dir):
     """--slo itl:1000 in auto mode: every node gets the prefill cap the profile says keeps a step
     within it (the planner's prefill_cap_for), says so, and reports it in its engine info."""

@@ -7,7 +7,7 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.study import sweep_workload
-from pdserve.benchmarks.winmap import cell, markdown, measured_map, plot, simulated_map, slo_sets
+from pdserve.benchmarks.winmap import cell, markdown, measured_map, open_entry, plot, simulated_map, slo_sets
 from pdserve.workload import GENERATE, SUMMARIZE
 
 
@@ -53,15 +53,21 @@ def test_the_measured_map_report_and_plot_from_runs(tmp_path):
     assert again["summarize"]["itl"][0]["winner"] == "e"
     assert [c["goodput"]["e"] for c in again["summarize"]["ttft+tpot"]] == [0.0] * 3
     assert "e" not in again["summarize"]["ttft+itl"][0]["goodput"]  # no auto run tuned to it
+    # --add-to: auto tuned to the ITL sets runs again; the static runs and auto's others stay.
+    setups["e"] = [fake_run(rates, [9.0, 9.0, 9.0])]  # an older map's single auto run
+    entry = open_entry(res, "summarize", [1.0, 2.0, 3.0], [("e", "ttft+itl"), ("e", "itl")])
+    assert entry["rates"] == rates and entry["setups"]["e:itl"] == entry["setups"]["e:ttft+itl"] == []
+    assert len(entry["setups"]["a"]) == 2 and len(entry["setups"]["e:ttft+tpot"]) == 1 and "e" not in entry["setups"]
+    assert open_entry(res, "chat", rates, [("a", "ttft+tpot")]) == {"rates": rates, "setups": {"a": []}}
 
 
 def test_the_simulated_map_prices_each_kind_at_n_nodes():
-    res = {"seconds_per_rate": 20.0, "slo_sets": {"itl": {"max_itl_ms": 200.0}},
+    res = {"seconds_per_rate": 20.0, "slo_sets": {"itl": {"max_itl_ms": 400.0}},
            "workloads": {"chat": {"rates": [0.5]}}}
     sim = simulated_map(known_profile(), res, [2], 8)
     best = sim["2"]["chat"]["itl"][0]
     assert set(best) == {"colocated", "PD", "auto"}
-    assert best["auto"][0].startswith("auto:2 (--max-prefill-tokens-while-decoding ")  # capped under an ITL SLO
+    assert best["auto"][0] == "auto:2 (--max-prefill-tokens-while-decoding 144)"  # capped: the SLO fits 144 tokens
     assert best["PD"][0] in ("pull:1P1D", "push:1P1D")
     assert all(0 <= goodput <= 0.5 for _, goodput in best.values())
 

@@ -3,6 +3,7 @@
     python -m pdserve.benchmarks.winmap [--workloads chat summarize generate] [--runs 2]
         [--setups a b c d e] [--min-prompts 40] [--seconds-per-rate 60] [--nodes 2 8 64]
     python -m pdserve.benchmarks.winmap --from-json docs/results/winmap.json   # map, plot and docs again
+    python -m pdserve.benchmarks.winmap --add-to docs/results/winmap.json --setups e   # auto again, same SLOs
 
 Workloads are bench's named datasets (`chat` = mixed, `summarize` prefill-heavy, `generate`
 decode-heavy), each at three rates (RATES; --rates-for NAME=R1,R2,R3). Every 2-node setup runs
@@ -213,6 +214,40 @@ def parse_rates(items: list[str] | None) -> dict[str, list[float]]:
     return rates
 
 
+def fresh_map(args) -> dict:
+    """A new map: the profile (measured alone, before any node starts, unless given) and the SLOs
+    from one idle node."""
+    args.dtype = plan_kernels(args.dtype).dtype
+    profile_path = Path(args.profile or Path(args.out).with_name("winmap_profile.json"))
+    if not args.profile:
+        run_profile(EngineConfig(dtype=args.dtype, threads=1), ProfilePoints.full()).save(profile_path)
+    idle, slos = study_slos(args.dtype, 2.0, 1.5)
+    slos["max_itl_ms"] = ITL_SCALE * idle["decode_step_ms"]
+    return {"date": time.strftime("%Y-%m-%d"), "cpu": Profile.load(profile_path).meta["cpu"], "dtype": args.dtype,
+            "runs": args.runs, "min_prompts": args.min_prompts, "seconds_per_rate": args.seconds_per_rate,
+            "idle": idle, "slos_ms": slos, "slo_sets": slo_sets(slos), "profile_path": str(profile_path),
+            "setups": {}, "workloads": {}}
+
+
+def earlier_map(path: str, args) -> dict:
+    """An earlier map to run setups again in (--add-to): its profile, SLOs, rates and run lengths, so
+    that the new runs are judged as its others were."""
+    res = json.loads(Path(path).read_text())
+    args.dtype, args.min_prompts, args.seconds_per_rate = res["dtype"], res["min_prompts"], res["seconds_per_rate"]
+    res["date"] = time.strftime("%Y-%m-%d")
+    return res
+
+
+def open_entry(res: dict, workload: str, rates: list[float], runs: list[tuple[str, str]]) -> dict:
+    """The workload's entry in `res`, its `runs` (setup, SLO set) emptied for new runs; the others'
+    runs kept (an earlier map's single auto run, `e`, goes where auto runs again)."""
+    entry = res["workloads"].setdefault(workload, {"rates": rates, "setups": {}})
+    if any(KINDS[key] == "auto" for key, _ in runs):
+        entry["setups"].pop("e", None)
+    entry["setups"].update({run_key(key, name): [] for key, name in runs})
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(RATES), choices=["chat", "summarize", "generate"])
@@ -226,39 +261,36 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="docs/results/winmap.json")
     parser.add_argument("--from-json", default=None, metavar="PATH", help="map, plot and docs from an earlier run")
+    parser.add_argument("--add-to", default=None, metavar="PATH",
+                        help="run --setups again within an earlier map (its profile, SLOs and rates); their runs "
+                             "there are replaced, the others kept")
+    parser.add_argument("--auto-slo-sets", nargs="+", default=None, choices=["ttft+tpot", "ttft+itl", "itl"],
+                        help="the SLO sets auto runs tuned to (default: all)")
     args = parser.parse_args()
     if args.from_json:
         finish(json.loads(Path(args.from_json).read_text()), args)
         return
-    args.dtype = plan_kernels(args.dtype).dtype
+    res = earlier_map(args.add_to, args) if args.add_to else fresh_map(args)
     rates = parse_rates(args.rates_for)
-    profile_path = Path(args.profile or Path(args.out).with_name("winmap_profile.json"))
-    if not args.profile:  # measured alone, before any node starts
-        run_profile(EngineConfig(dtype=args.dtype, threads=1), ProfilePoints.full()).save(profile_path)
-    idle, slos = study_slos(args.dtype, 2.0, 1.5)
-    slos["max_itl_ms"] = ITL_SCALE * idle["decode_step_ms"]
-    sets = slo_sets(slos)
-    auto = {name: ("--profile", str(profile_path), "--slo", *goodput_items(s)) for name, s in sets.items()}
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": Profile.load(profile_path).meta["cpu"], "dtype": args.dtype,
-                 "runs": args.runs, "min_prompts": args.min_prompts, "seconds_per_rate": args.seconds_per_rate,
-                 "idle": idle, "slos_ms": slos, "slo_sets": sets, "profile_path": str(profile_path),
-                 "setups": {k: asdict(SETUPS[k]) for k in args.setups}, "workloads": {}}
+    sets, profile_path = res["slo_sets"], res["profile_path"]
+    auto = {name: ("--profile", profile_path, "--slo", *goodput_items(s)) for name, s in sets.items()}
+    res["setups"].update({k: asdict(SETUPS[k]) for k in args.setups})
     for workload in args.workloads:
-        runs = [(key, name) for key in args.setups for name in (sets if KINDS[key] == "auto" else ["ttft+tpot"])]
-        entry = res["workloads"][workload] = {"rates": rates[workload],
-                                              "setups": {run_key(key, name): [] for key, name in runs}}
+        runs = [(key, name) for key in args.setups
+                for name in (args.auto_slo_sets or sets if KINDS[key] == "auto" else ["ttft+tpot"])]
+        entry = open_entry(res, workload, rates[workload], runs)
         for run in range(args.runs):  # the runs of a point apart in time: the host's drift shows as noise
             for key, name in runs:
                 auto_run = KINDS[key] == "auto"
-                points = run_setup(SETUPS[key], rates[workload], args.seconds_per_rate, args.min_prompts, args.dtype,
+                points = run_setup(SETUPS[key], entry["rates"], args.seconds_per_rate, args.min_prompts, args.dtype,
                                    sets[name], workload, auto[name] if auto_run else (),
                                    {name: sets[name]} if auto_run else sets)
                 for point in points:
                     point.pop("itls", None)  # per-token gaps: megabytes; the per-request goodputs are kept
                 entry["setups"][run_key(key, name)].append(points)
+        res["runs"] = max(len(r) for r in entry["setups"].values())
         Path(args.out).write_text(json.dumps(res))  # a partial map survives an interrupted run
     finish(res, args)
-
 
 if __name__ == "__main__":
     main()

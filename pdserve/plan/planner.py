@@ -71,17 +71,23 @@ def families(profile: Profile | None = None, slos: dict[str, float] | None = Non
     cap = None
     if profile is not None and slos and "max_itl_ms" in slos:
         cap = prefill_cap_for(profile, slos["max_itl_ms"] / 1e3)
-        out.append(Family("colocated", 0, 1, prefill_cap=cap))
+        if cap is not None:
+            out.append(Family("colocated", 0, 1, prefill_cap=cap))
     for mode in ("pull", "push"):
         out += [Family(mode, p, d) for p, d in RATIOS]
     return out + [Family("auto", 0, 2, prefill_cap=cap)]  # as `pdserve up --mode auto --slo itl:MS` caps them
 
 
-def prefill_cap_for(profile: Profile, itl_s: float, seqs: int = 8, context: int = 1024, share: float = 0.75) -> int:
+def prefill_cap_for(profile: Profile, itl_s: float, seqs: int = 8, context: int = 1024,
+                    share: float = 0.75) -> int | None:
     """The largest prompt chunk (whole blocks of 16) that a step beside `seqs` decoding streams of
     `context` tokens can take and stay within `share` of the ITL SLO (the rest: serving's hops and
-    the host's noise); 16 where not even that fits."""
+    the host's noise). None where not even 16 tokens fit: then every step that prefills misses the
+    SLO, capped or not, and a cap would only stretch the prompts' prefill over more such steps
+    (session 29's win map: a 16-token cap queued prompts to a p99 TTFT of 7.7-10.6 s)."""
     step = profile.decode_step_time(seqs, seqs * context)
+    if step + profile.prefill_chunk_time(16, context) > share * itl_s:
+        return None
     cap = 16
     while cap < 8192 and step + profile.prefill_chunk_time(cap + 16, context) <= share * itl_s:
         cap += 16
