@@ -23,7 +23,8 @@ def sdpa_reference(q, kv_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (16, 2, 128, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",  # GQA groups 3, 1, 8 (the generic path), 2
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (16, 2, 128, 32), (6, 3, 64, 16)])
 @pytest.mark.parametrize("partition_blocks", [1, 3, 1000])
 def test_kernel_equals_sdpa_over_gathered_blocks(ops, dtype, heads, kv_heads, head_dim, block_size, partition_blocks):
     torch.manual_seed(heads * block_size + partition_blocks)

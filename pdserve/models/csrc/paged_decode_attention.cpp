@@ -56,6 +56,13 @@ inline void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int
   }
 }
 
+// One K or V row of one head (dim elements: 1 to 4 cache lines).
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t dim) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d);
+}
+
 // HEAD_DIM > 0: the head size known at compile time (64, 128), so that the inner loops unroll into
 // registers; 0: any head size, read from head_dim.
 template <typename scalar_t, int64_t HEAD_DIM>
@@ -214,13 +221,18 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // as bf16 (a bf16 model's query exactly; a float32 one's as the sum of two bf16 parts, hi and lo),
 // scaled after the dot. A K row then needs no conversion: 2 vdpbf16ps per 64 elements where the
 // float32 path spends 4 conversions and 4 FMAs per query head.
-template <typename scalar_t, int CHUNKS, bool BF16_DOTS>
+//
+// GROUP > 0: the query heads per KV head known at compile time, so that a head's weighted sums
+// (GROUP x CHUNKS vectors) stay in registers across a block's V rows; 0: any group, read from `group`
+// (its sums then live in memory: a load and a store per FMA).
+template <typename scalar_t, int CHUNKS, bool BF16_DOTS, int GROUP>
 void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this sequence, scaled (BF16_DOTS: null)
                              const c10::BFloat16* q_hi, const c10::BFloat16* q_lo,  // BF16_DOTS: unscaled; lo or null
                              float scale, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* blocks,
                              int64_t first_block, int64_t last_block, int64_t start, int64_t context_len,
                              int64_t block_size, int64_t kv_heads, int64_t group, Partial* parts /* [kv_heads] */) {
   constexpr int64_t dim = CHUNKS * 16;
+  if constexpr (GROUP > 0) group = GROUP;
   const int64_t row_stride = kv_heads * dim, block_stride = block_size * row_stride;
   std::vector<float> lanes;  // the float32 queries in lane order (the bf16 dots read q_hi / q_lo instead)
   if constexpr (!BF16_DOTS) {
@@ -236,20 +248,24 @@ void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this
       std::fill(parts[h].acc + g * dim, parts[h].acc + (g + 1) * dim, 0.f);
     }
   alignas(64) float probs[kMaxGroup][16];
+  float corrections[kMaxGroup];
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t rows = std::min(block_size, context_len - b * block_size);
     if (rows <= 0) break;
     const int64_t r0 = std::max<int64_t>(0, start - b * block_size);  // rows before the window: skipped
-    if (b + kPrefetchBlocks < last_block) {
-      for (int64_t h = 0; h < kv_heads; ++h)
-        prefetch_block(k_cache, v_cache, blocks[b + kPrefetchBlocks] * block_stride + h * dim, block_size, row_stride, dim);
-    }
+    // The block kPrefetchBlocks ahead is asked for a row at a time as this one's rows are computed:
+    // a burst of a whole block's lines stalled the loop once the core's fill buffers were taken.
+    const int64_t ahead = b + kPrefetchBlocks < last_block ? blocks[b + kPrefetchBlocks] * block_stride : -1;
     for (int64_t h = 0; h < kv_heads; ++h) {
       const scalar_t* k_block = k_cache + blocks[b] * block_stride + h * dim;
       const scalar_t* v_block = v_cache + blocks[b] * block_stride + h * dim;
+      // Head h's share of that block, in address order (the pool's lines one after another, so that
+      // the L2 streamer sees a stream), not head h's rows, which are strided.
+      const scalar_t* k_ahead = ahead >= 0 ? k_cache + ahead + h * block_size * dim : nullptr;
+      const scalar_t* v_ahead = ahead >= 0 ? v_cache + ahead + h * block_size * dim : nullptr;
       const float* qh = BF16_DOTS ? nullptr : lanes.data() + h * group * dim;
       Partial& out = parts[h];
-      __m512 acc[kMaxGroup][CHUNKS];
+      __m512 acc[GROUP > 0 ? GROUP : kMaxGroup][CHUNKS];
       for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm512_loadu_ps(out.acc + g * dim + 16 * c);
       for (int64_t j0 = 0; j0 < rows; j0 += 16) {
@@ -260,6 +276,7 @@ void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this
           __m512 dots[16];
 #pragma GCC unroll 16
           for (int64_t j = 0; j < 16; ++j) {
+            if (g == 0 && k_ahead != nullptr && j0 + j < block_size) prefetch_row(k_ahead + (j0 + j) * dim, dim);
             // A key outside [lo, hi) may be unwritten: its lane computes a valid key's, then is masked.
             const scalar_t* k = k_block + std::min(std::max(j0 + j, lo), hi - 1) * row_stride;
             if constexpr (BF16_DOTS) {
@@ -281,11 +298,15 @@ void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this
           const __m512 weights = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
           _mm512_store_ps(probs[g], weights);
           out.sum[g] = out.sum[g] * correction + _mm512_reduce_add_ps(weights);
-          const __m512 rescale = _mm512_set1_ps(correction);
+          corrections[g] = correction;
+        }
+        for (int64_t g = 0; g < group; ++g) {  // the sums rescaled to the new max, then the V rows added
+          const __m512 rescale = _mm512_set1_ps(corrections[g]);
           for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], rescale);
         }
         for (int64_t j = lo - j0; j < hi - j0; ++j) {  // weighted V rows, each converted once for the group
           const scalar_t* v = v_block + (j0 + j) * row_stride;
+          if (v_ahead != nullptr) prefetch_row(v_ahead + (j0 + j) * dim, dim);
           __m512 row[CHUNKS];
           for (int c = 0; c < CHUNKS; ++c) row[c] = load_lanes(v, c);
           for (int64_t g = 0; g < group; ++g) {
@@ -306,6 +327,19 @@ void attend_partition_avx512(const float* q,  // [kv_heads * group, dim] of this
         for (int i = 0; i < 16; ++i) natural[lane_element<scalar_t>(c, i)] = acc[16 * c + i];
       std::copy(natural, natural + dim, acc);
     }
+}
+
+// The AVX-512 path for this many query heads per KV head: compiled for the common GQA groups (a
+// register per weighted-sum vector), the generic one otherwise.
+template <typename scalar_t, int CHUNKS, bool BF16_DOTS>
+auto avx512_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_partition_avx512<scalar_t, CHUNKS, BF16_DOTS, 1>;
+    case 2: return attend_partition_avx512<scalar_t, CHUNKS, BF16_DOTS, 2>;
+    case 3: return attend_partition_avx512<scalar_t, CHUNKS, BF16_DOTS, 3>;
+    case 4: return attend_partition_avx512<scalar_t, CHUNKS, BF16_DOTS, 4>;
+    default: return attend_partition_avx512<scalar_t, CHUNKS, BF16_DOTS, 0>;
+  }
 }
 #endif
 
@@ -339,10 +373,10 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
   constexpr bool kBf16Dots = false;
 #endif
 #if defined(__AVX512F__)
-  const auto fast = head_dim == 32    ? attend_partition_avx512<scalar_t, 2, kBf16Dots>
-                    : head_dim == 64  ? attend_partition_avx512<scalar_t, 4, kBf16Dots>
-                    : head_dim == 128 ? attend_partition_avx512<scalar_t, 8, kBf16Dots>
-                    : head_dim == 256 ? attend_partition_avx512<scalar_t, 16, kBf16Dots>
+  const auto fast = head_dim == 32    ? avx512_for_group<scalar_t, 2, kBf16Dots>(group)
+                    : head_dim == 64  ? avx512_for_group<scalar_t, 4, kBf16Dots>(group)
+                    : head_dim == 128 ? avx512_for_group<scalar_t, 8, kBf16Dots>(group)
+                    : head_dim == 256 ? avx512_for_group<scalar_t, 16, kBf16Dots>(group)
                                       : nullptr;
 #else
   constexpr void (*fast)(const float*, const c10::BFloat16*, const c10::BFloat16*, float, const scalar_t*,
