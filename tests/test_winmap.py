@@ -7,7 +7,8 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.study import sweep_workload
-from pdserve.benchmarks.winmap import cell, markdown, measured_map, open_entry, plot, simulated_map, slo_sets
+from pdserve.benchmarks.winmap import (cell, markdown, measured_map, open_entry, planner_agreement, plot, simulated_map,
+                                      slo_sets)
 from pdserve.workload import GENERATE, SUMMARIZE
 
 
@@ -59,6 +60,24 @@ def test_the_measured_map_report_and_plot_from_runs(tmp_path):
     assert entry["rates"] == rates and entry["setups"]["e:itl"] == entry["setups"]["e:ttft+itl"] == []
     assert len(entry["setups"]["a"]) == 2 and len(entry["setups"]["e:ttft+tpot"]) == 1 and "e" not in entry["setups"]
     assert open_entry(res, "chat", rates, [("a", "ttft+tpot")]) == {"rates": rates, "setups": {"a": []}}
+
+
+def test_the_planners_pick_is_scored_against_the_measured_winner():
+    def measured(goodputs: dict[str, float]) -> dict:
+        return cell({k: [g] for k, g in goodputs.items()})
+
+    res = {"map": {"chat": {"itl": [measured({"a": 0.5, "c": 0.2, "e": 0.4}),    # colocated wins
+                                    measured({"a": 0.5, "c": 0.49, "e": 0.1}),   # colocated, PD within 5 %
+                                    measured({"a": 0.1, "c": 0.2, "e": 0.6})]}},  # auto wins
+           "simulated": {"2": {"chat": {"itl": [
+               {"colocated": ("colocated:2", 0.45), "PD": ("pull:1P1D", 0.45), "auto": ("auto:2", 0.3)},  # a tie
+               {"colocated": ("colocated:2", 0.3), "PD": ("pull:1P1D", 0.4), "auto": ("auto:2", 0.1)},
+               {"colocated": ("colocated:2", 0.3), "PD": ("pull:1P1D", 0.4), "auto": ("auto:2", 0.1)}]}}}}
+    assert planner_agreement(res) == {"cells": 3, "matched": 1, "near": 2, "near_share": 0.05}
+    res.update({"date": "2026-12-03", "cpu": "test CPU", "dtype": "bfloat16", "runs": 1, "min_prompts": 40,
+                "slos_ms": {"ttft_ms": 1.0, "tpot_ms": 1.0, "max_itl_ms": 1.0},
+                "workloads": {"chat": {"rates": [0.5, 0.75, 1.0]}}})
+    assert "the measured winner's kind in 1 of 3 cells, and measures within 5% of the winner in 2." in markdown(res)
 
 
 def test_the_simulated_map_prices_each_kind_at_n_nodes():

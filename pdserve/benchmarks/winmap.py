@@ -137,6 +137,28 @@ def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: in
     return out
 
 
+def planner_agreement(res: dict, nodes: str = "2", near: float = 0.05) -> dict:
+    """How often the simulator's best kind at `nodes` (the planner's pick; every kind tied for best
+    counts) is the measured cell's winning kind (`matched`), or measures within `near` of it (`near`),
+    over the cells both maps hold."""
+    cells = matched = close = 0
+    for workload, by_slo in res.get("map", {}).items():
+        for name, measured in by_slo.items():
+            simulated = res.get("simulated", {}).get(nodes, {}).get(workload, {}).get(name, [])
+            for c, sim in zip(measured, simulated):
+                if not sim:
+                    continue
+                top = max(g for _, g in sim.values())
+                picks = {kind for kind, (_, g) in sim.items() if g == top}
+                by_kind = {KINDS[k]: max(g for key, g in c["goodput"].items() if KINDS[key] == KINDS[k])
+                           for k in c["goodput"]}
+                best = max(by_kind.values())
+                cells += 1
+                matched += c["kind"] in picks
+                close += any(by_kind.get(kind, -1.0) >= best * (1 - near) for kind in picks)
+    return {"cells": cells, "matched": matched, "near": close, "near_share": near}
+
+
 def markdown(res: dict) -> str:
     lines = [f"Command: `python -m pdserve.benchmarks.winmap --workloads {' '.join(res['workloads'])} --runs "
              f"{res['runs']} --min-prompts {res['min_prompts']}` ({res['date']}, {res['cpu']}, {res['dtype']}). "
@@ -163,6 +185,11 @@ def markdown(res: dict) -> str:
                 row = "; ".join(", ".join(f"{kind} {setup} {g:.2f}" for kind, (setup, g) in c.items()) for c in cells)
                 lines.append(f"- {workload}, {name}: {row}")
         lines.append("")
+    agree = planner_agreement(res)
+    if agree["cells"]:
+        lines += [f"The planner's pick at 2 nodes (the simulator's best kind) is the measured winner's kind in "
+                  f"{agree['matched']} of {agree['cells']} cells, and measures within {agree['near_share']:.0%} "
+                  f"of the winner in {agree['near']}.", ""]
     lines.append("![win map](results/winmap.png)")
     return "\n".join(lines)
 
@@ -288,9 +315,10 @@ def main() -> None:
                 for point in points:
                     point.pop("itls", None)  # per-token gaps: megabytes; the per-request goodputs are kept
                 entry["setups"][run_key(key, name)].append(points)
-        res["runs"] = max(len(r) for r in entry["setups"].values())
+        res["runs"] = max(len(r) for e in res["workloads"].values() for r in e["setups"].values())
         Path(args.out).write_text(json.dumps(res))  # a partial map survives an interrupted run
     finish(res, args)
+
 
 if __name__ == "__main__":
     main()

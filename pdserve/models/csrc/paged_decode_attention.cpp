@@ -32,7 +32,7 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kMaxKvHeads = 64;
 constexpr int64_t kMaxBlockSize = 128;
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead prefetch_block asks (measured: 1 and 4 were slower)
+constexpr int64_t kPrefetchBlocks = 2;  // how many blocks ahead the prefetches ask (measured: 1 and 4 were slower)
 
 // The softmax state of one (sequence, KV head, partition): per query head, max, sum and sum(p * V).
 struct Partial {
