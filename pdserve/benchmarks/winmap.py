@@ -58,15 +58,22 @@ def slo_sets(slos: dict[str, float]) -> dict[str, dict[str, float]]:
             "itl": {"max_itl_ms": slos["max_itl_ms"]}}
 
 
+def best_by_kind(goodput: dict[str, float]) -> dict[str, float]:
+    """Each kind's best goodput over its setups (setup key -> goodput), for the kinds present."""
+    best: dict[str, float] = {}
+    for key, g in goodput.items():
+        best[KINDS[key]] = max(best.get(KINDS[key], g), g)
+    return best
+
+
 def cell(goodputs: dict[str, list[float]]) -> dict:
     """One cell from each setup's goodput per run: the winner, its margin over the best other kind,
     PD's best over colocated's best, auto over the best static setup, and the noise (the largest
     spread of one setup's runs, over its mean)."""
     mean = {k: statistics.mean(v) for k, v in goodputs.items()}
     best = max(mean, key=lambda k: mean[k])
-    by_kind = {kind: max((g for k, g in mean.items() if KINDS[k] == kind), default=None)
-               for kind in ("colocated", "PD", "auto")}
-    others = [g for kind, g in by_kind.items() if g is not None and kind != KINDS[best]]
+    by_kind = best_by_kind(mean)
+    others = [g for kind, g in by_kind.items() if kind != KINDS[best]]
     static = max((g for k, g in mean.items() if KINDS[k] != "auto"), default=None)
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -78,8 +85,8 @@ def cell(goodputs: dict[str, list[float]]) -> dict:
                 default=0.0)
     return {"goodput": mean, "winner": best, "kind": KINDS[best],
             "margin": ratio(mean[best], max(others) if others else None),
-            "pd_over_colocated": ratio(by_kind["PD"], by_kind["colocated"]),
-            "auto_over_static": ratio(by_kind["auto"], static), "noise": noise}
+            "pd_over_colocated": ratio(by_kind.get("PD"), by_kind.get("colocated")),
+            "auto_over_static": ratio(by_kind.get("auto"), static), "noise": noise}
 
 
 def run_key(setup: str, slo_set: str) -> str:
@@ -150,8 +157,7 @@ def planner_agreement(res: dict, nodes: str = "2", near: float = 0.05) -> dict:
                     continue
                 top = max(g for _, g in sim.values())
                 picks = {kind for kind, (_, g) in sim.items() if g == top}
-                by_kind = {KINDS[k]: max(g for key, g in c["goodput"].items() if KINDS[key] == KINDS[k])
-                           for k in c["goodput"]}
+                by_kind = best_by_kind(c["goodput"])
                 best = max(by_kind.values())
                 cells += 1
                 matched += c["kind"] in picks

@@ -86,12 +86,10 @@ def prefill_cap_for(profile: Profile, itl_s: float, seqs: int = 8, context: int 
     SLO, capped or not, and a cap would only stretch the prompts' prefill over more such steps
     (session 29's win map: a 16-token cap queued prompts to a p99 TTFT of 7.7-10.6 s)."""
     step = profile.decode_step_time(seqs, seqs * context)
-    if step + profile.prefill_chunk_time(16, context) > share * itl_s:
-        return None
-    cap = 16
+    cap = 0
     while cap < 8192 and step + profile.prefill_chunk_time(cap + 16, context) <= share * itl_s:
         cap += 16
-    return cap
+    return cap or None
 
 
 @dataclass
