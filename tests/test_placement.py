@@ -125,6 +125,41 @@ def test_an_itl_slo_sends_a_stalling_prefill_to_p_where_tpot_would_absorb_it(tmp
     assert itl.place(prompt, [p], [d], output_tokens=128).choice == "remote"
 
 
+def test_where_no_option_saves_a_miss_the_static_route_is_kept(tmp_path):
+    """Two kv_both nodes of 3 streams each (42.7 ms steps); any 100-token prefill (110 ms) beside
+    them is a gap past a 100 ms ITL SLO for 3 streams, wherever it runs. By seconds alone the first
+    node wins each time; under the SLO, which cannot tell them apart, the proxy's round robin does."""
+    a, b = Node("http://a:1", "kv_both"), Node("http://b:1", "kv_both")
+    for n in (a, b):
+        n.active_requests, n.active_tokens = 3, 768
+    prompt = list(range(100))
+    by_seconds = placer(tmp_path, [a, b])
+    assert [by_seconds.place(prompt, [a, b], [a, b]).decoder for _ in range(3)] == [a, a, a]
+    itl = placer(tmp_path, [a, b], slos={"max_itl_ms": 100})
+    view = PromptView(prompt, itl.costs, itl.index, itl.transport, itl.clock())
+    assert min(itl.misses(o, view, 128) for o in itl.options(view, [a, b], [a, b])) == 3
+    choices = [itl.place(prompt, [a, b], [a, b]) for _ in range(3)]
+    assert [(c.decoder, c.choice) for c in choices] == [(a, "local"), (b, "local"), (a, "local")]
+
+
+def test_streams_already_past_the_itl_slo_are_not_counted_again(tmp_path):
+    """A holds 3 streams whose gaps already passed a 100 ms ITL SLO, B 1 stream within it: a
+    prefill on A stalls no one who can still meet it, so the prompt goes to A, the busier node;
+    with A's streams still within it, it goes to B (1 miss against 3)."""
+    a, b = Node("http://a:1", "kv_both"), Node("http://b:1", "kv_both")
+    a.active_requests, a.active_tokens, b.active_requests, b.active_tokens = 3, 768, 1, 256
+    prompt = list(range(100))
+    itl = placer(tmp_path, [a, b], slos={"max_itl_ms": 100})
+    view = PromptView(prompt, itl.costs, itl.index, itl.transport, itl.clock())
+    assert (itl.misses(view.local(a), view, 128), itl.misses(view.local(b), view, 128)) == (3, 1)
+    assert itl.place(prompt, [a, b], [a, b]).decoder is b
+    a.streams_past_itl = 3
+    assert (itl.misses(view.local(a), view, 128), itl.misses(view.local(b), view, 128)) == (0, 1)
+    assert itl.place(prompt, [a, b], [a, b]).decoder is a
+    tpot = placer(tmp_path, [a, b], slos={"tpot_ms": 43})  # past the ITL SLO is no excuse under TPOT
+    assert tpot.misses(view.local(a), view, 128) == 1 + 3  # this one (a 50 ms step) and all three
+
+
 def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
     """Decode: 10 decode-only steps of 2 sequences and 200 KV tokens in 0.6 s, against a model of
     10 ms + 10 ms/seq + 0.1 ms/KV token (50 ms a step): 1.2x, of which 30 % is taken in. A node
@@ -251,3 +286,33 @@ def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
         proxy.stop()
         decode.stop()
         prefill.stop()
+
+
+def test_the_proxy_counts_a_stream_past_the_itl_slo_while_it_streams(tmp_path):
+    """A real node behind `pdserve proxy --mode auto --slo itl:1`: a streamed answer's gaps pass
+    1 ms, so the proxy counts it on its node (/v1/nodes: streams_past_itl; the cost rule leaves such
+    streams out of the misses a stall would make) while it streams, and not once it has ended."""
+    profile = tmp_path / "profile.json"
+    known_profile(budget=2048).save(profile)
+    node = start_pdserve(["serve", "--role", "both", *NODE], tmp_path, "node")
+    proxy = start_pdserve(["proxy", "--mode", "auto", "--profile", str(profile), "--node", node.url,
+                           "--slo", "itl:1"], tmp_path, "proxy")
+
+    def past_itl() -> int:
+        return httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"][0]["streams_past_itl"]
+
+    try:
+        ask = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 40, "temperature": 0,
+               "ignore_eos": True, "stream": True}
+        during, events = None, 0
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=ask, timeout=120) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                events += line.startswith("data: {")
+                if events == 20 and during is None:
+                    during = past_itl()
+        assert events > 20 and during == 1
+        assert past_itl() == 0
+    finally:
+        proxy.stop()
+        node.stop()

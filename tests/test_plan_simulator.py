@@ -335,6 +335,20 @@ def test_auto_sends_each_turn_where_its_history_is_cached():
     assert all(r > a for r, a in zip(rr["ttfts"][1:], auto["ttfts"][1:]))
 
 
+def test_a_tracker_says_once_when_its_longest_gap_passes_its_limit():
+    """As the proxy's relay counts a stream whose gap passed auto's ITL SLO, once; a run of decode
+    steps counts by its longest step."""
+    calls = []
+    tracker = Tracker(BenchRequest([0], 10, 8), 0.0, limit=0.050, on_past_limit=lambda: calls.append(1))
+    tracker.token(0.100)  # the first token: no gap yet
+    tracker.token(0.140)
+    assert calls == [] and not tracker.past_limit
+    tracker.steps(0.300, 0.030, 0.010, 4)  # 30, 40, 50, 60 ms
+    assert calls == [1] and tracker.past_limit and tracker.longest == pytest.approx(0.060)
+    tracker.token(0.500)
+    assert calls == [1]
+
+
 def test_auto_prefills_a_long_prompt_on_p_when_d_is_decoding():
     """auto:1P1D: D is decoding a long answer when a 2000-token prompt comes; prefilling it on D
     would stall that stream for two seconds, so the Placer sends it to P and D pulls the KV."""

@@ -223,6 +223,7 @@ class Proxy:
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:
     described = {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
                  "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served,
+                 "streams_past_itl": node.streams_past_itl,
                  "engine": node.engine,
                  "speed": {"prefill": round(node.speed.prefill, 3), "decode": round(node.speed.decode, 3)}}
     if cache is not None:  # the proxy's copy of the node's prefix cache (proxy/prefix_index.py)

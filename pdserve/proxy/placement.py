@@ -17,7 +17,14 @@ proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a se
 each stream already decoding counts as much as a second of this request's TTFT.
 Given SLOs (`--slo ttft:MS tpot:MS`), it first takes the options that make the fewest requests
 miss them (Placer.misses): under a loose TTFT and a tight TPOT SLO, queueing behind a long
-prefill is cheaper than a decode batch one stream too big.
+prefill is cheaper than a decode batch one stream too big. Under an ITL SLO a stream whose gap the
+proxy already saw pass it (Node.streams_past_itl, counted as it relays the stream) cannot miss it
+again, so a prefill beside such streams costs nothing there: prompts gather on the node whose
+streams are already late and leave the others' gaps short. Where every option is predicted to make
+someone miss and the static route (the proxy's --policy, as colocated or xPyD would go) makes no
+more miss than the best, it takes the static route: the costs then cannot tell the options apart,
+and measured under a 67 ms ITL SLO, least TTFT + stall put each new prompt on the node of fewer
+streams and lengthened the longest gaps (docs/benchmarks.md, "Third look").
 """
 
 from __future__ import annotations
@@ -135,15 +142,25 @@ class PlacementRule(ABC):
 
 
 class CostRule(PlacementRule):
-    """pdserve's: the option of fewest SLO misses, then least TTFT + stall_weight x stall."""
+    """pdserve's: the option of fewest SLO misses, then least TTFT + stall_weight x stall; the static
+    route (`static`) where no option is predicted to save a miss it would make."""
 
     name = "cost"
 
+    def __init__(self, placer: Placer) -> None:
+        super().__init__(placer)
+        self.static = ByPolicy(placer, placer.policy)
+
     def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
         placer = self.placer
-        return min(placer.options(view, prefillers, decoders),
+        best = min(placer.options(view, prefillers, decoders),
                    key=lambda o: (placer.misses(o, view, output_tokens), o.score(placer.stall_weight),
                                   o.decoder.active_requests))
+        if not placer.slos:
+            return best
+        static = self.static.place(view, prefillers, decoders, output_tokens)  # its rotation moves every request
+        fewest = placer.misses(best, view, output_tokens)
+        return static if fewest > 0 and placer.misses(static, view, output_tokens) <= fewest else best
 
 
 class ByPolicy(PlacementRule):
@@ -152,9 +169,9 @@ class ByPolicy(PlacementRule):
 
     policy: ClassVar[str]
 
-    def __init__(self, placer: Placer) -> None:
+    def __init__(self, placer: Placer, policy: str | None = None) -> None:
         super().__init__(placer)
-        self.choosers = {kind: POLICIES.get(self.policy)() for kind in ("prefill", "decode")}
+        self.choosers = {kind: POLICIES.get(policy or self.policy)() for kind in ("prefill", "decode")}
 
     def place(self, view: PromptView, prefillers: list[Node], decoders: list[Node], output_tokens: int) -> Placement:
         d = self.choosers["decode"].choose(decoders, view.tokens)
@@ -219,10 +236,11 @@ class Placer:
 
     def __init__(self, costs: CostModel, index: PrefixIndex, rule: str = "cost", stall_weight: float = 1.0,
                  threshold_tokens: int = 512, transport: str = "shm", slos: dict[str, float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, policy: str = "round_robin") -> None:
         self.costs, self.index, self.transport = costs, index, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
         self.slos = slos or {}  # ttft_ms / tpot_ms / max_itl_ms: the cost rule first counts who would miss them
+        self.policy = policy  # the static route (proxy/policies.py) the cost rule keeps where it saves no miss
         self.clock = clock  # the simulator runs this Placer on its own clock (plan/sim/)
         self.rule = PLACEMENT_RULES.get(rule)(self)
 
@@ -241,7 +259,7 @@ class Placer:
         """Requests predicted to miss an SLO if `option` is taken: this one (its TTFT; its TPOT or
         longest gap in the decode node's batch grown by one) and the streams on the decode node
         that met the TPOT or ITL SLO before and would not after (a bigger batch, plus the stall:
-        spread over their tokens for TPOT, whole in one gap for ITL)."""
+        spread over their tokens for TPOT, whole in one gap for ITL; streams_missing)."""
         if not self.slos:
             return 0
         d, costs, inf = option.decoder, self.costs, float("inf")
@@ -252,14 +270,24 @@ class Placer:
         after = costs.step_s(streams + 1, d.active_tokens + view.tokens + output_tokens) * speed
         misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo or after > itl_slo)
         stall = option.stall_s / streams if streams else 0.0  # each stream's (stall_s sums them)
-        if streams and (before <= tpot_slo < after + stall / output_tokens or before <= itl_slo < after + stall):
-            misses += streams
+        misses += self.streams_missing(d, before, after + stall / output_tokens, after + stall)
         p = option.prefiller
         if option.prefiller_stall_s and p is not None:  # a kv_both node's streams wait for the prefill
             step = costs.step_s(p.active_requests, p.active_tokens) * p.speed.decode
-            if step <= tpot_slo < step + option.prefill_s / output_tokens or step <= itl_slo < step + option.prefill_s:
-                misses += p.active_requests
+            misses += self.streams_missing(p, step, step + option.prefill_s / output_tokens, step + option.prefill_s)
         return misses
+
+    def streams_missing(self, node: Node, step: float, tpot: float, longest_gap: float) -> int:
+        """The streams on `node` that meet the SLOs at its `step` and would not at this `tpot` and
+        `longest_gap`; for the ITL SLO only those whose gaps have all been within it so far (the
+        proxy sees each stream's gaps: Node.streams_past_itl)."""
+        inf = float("inf")
+        tpot_slo, itl_slo = self.slos.get("tpot_ms", inf) / 1e3, self.slos.get("max_itl_ms", inf) / 1e3
+        if step <= tpot_slo < tpot:
+            return node.active_requests
+        if step <= itl_slo < longest_gap:
+            return max(node.active_requests - node.streams_past_itl, 0)
+        return 0
 
     def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node],
               output_tokens: int = 128) -> Placement:

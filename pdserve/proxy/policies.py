@@ -23,6 +23,9 @@ class Node:
     engine: dict[str, str] = field(default_factory=dict)  # device, isa, dtype, kernels (its engine_info)
     prefill_backlog_until: float = 0.0  # auto mode: when the prefills sent to it are predicted done (monotonic s)
     speed: NodeSpeed = field(default_factory=NodeSpeed)  # auto mode: how fast it runs against the profile
+    # auto mode under an ITL SLO: streams on it whose longest gap so far passed the SLO (a stall there
+    # cannot make them miss it again)
+    streams_past_itl: int = 0
 
     def record_check(self, ok: bool, max_failures: int) -> None:
         """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""

@@ -15,6 +15,8 @@ class RequestTiming:
     prefill_s: float = 0.0  # P's prefill after its queue (colocated: the node's TTFT after its queue)
     transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms); push: only what was exposed
     first_byte: float | None = None
+    last_byte: float | None = None
+    past_itl: bool = False  # auto under an ITL SLO: a gap between two chunks passed it (counted on its node)
     done: float | None = None
     placement: str | None = None  # auto mode: local | remote
     placement_s: float = 0.0  # auto mode: what choosing cost the proxy

@@ -70,7 +70,7 @@ class SimProxy:
         if setup.mode == "auto":  # the proxy's own Placer, on the simulation's clock and nodes
             costs = replace(CostModel.of(asdict(sim.profile)), chunk_size=batching.budget)
             self.placer = Placer(costs, SimIndex(self.members, batching.block_size), placement, transport=transport,
-                                 slos=slos, clock=lambda: sim.now)
+                                 slos=slos, clock=lambda: sim.now, policy=policy)
             self.placements = {"local": 0, "remote": 0}
 
     def _read_kv_usage(self) -> None:
@@ -175,6 +175,18 @@ class SimProxy:
         placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len)
         self.placer.dispatched(placement)
         self.placements[placement.choice] += 1
+        itl_slo = self.placer.slos.get("max_itl_ms")
+        if itl_slo is not None:  # as the proxy's relay counts a stream whose gap passed the ITL SLO
+            tracker.limit, decoder = itl_slo / 1e3, placement.decoder
+
+            def past_limit() -> None:
+                decoder.streams_past_itl += 1
+
+            def finished(t: float, done: Callable[[float], None] = on_done) -> None:
+                decoder.streams_past_itl -= tracker.past_limit
+                done(t)
+
+            tracker.on_past_limit, on_done = past_limit, finished
         if placement.prefiller is None:
             self._ask(placement.decoder, self._answer_job(rid, req, tracker, prompt, on_done), load)
         else:

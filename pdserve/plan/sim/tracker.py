@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.workload import BenchRequest, RequestResult
 
@@ -19,22 +20,35 @@ class Tracker:
     last: float = 0.0
     count: int = 0
     longest: float = 0.0  # the longest gap so far (kept even when the gaps are not)
+    # Called once, when the longest gap first passes `limit` (auto's proxy counts such streams)
+    limit: float = float("inf")
+    on_past_limit: Callable[[], None] | None = None
 
     def token(self, time: float) -> None:
         if self.first is None:
             self.first = time
         else:
-            self.longest = max(self.longest, time - self.last)
+            self._longest(time - self.last)
             if self.gaps is not None:
                 self.gaps.append((time - self.last, 0.0, 1))
         self.last, self.count = time, self.count + 1
 
     def steps(self, end: float, first_step: float, growth: float, count: int) -> None:
         """`count` tokens from back-to-back decode steps ending at `end` (the first token came before)."""
-        self.longest = max(self.longest, first_step + max(growth, 0.0) * (count - 1))
+        self._longest(first_step + max(growth, 0.0) * (count - 1))
         if self.gaps is not None:
             self.gaps.append((first_step, growth, count))
         self.last, self.count = end, self.count + count
+
+    @property
+    def past_limit(self) -> bool:
+        return self.longest > self.limit
+
+    def _longest(self, gap: float) -> None:
+        was_past = self.past_limit
+        self.longest = max(self.longest, gap)
+        if self.on_past_limit is not None and self.past_limit and not was_past:
+            self.on_past_limit()
 
     def result(self, itls: bool = True, delay: float = 0.0) -> RequestResult:
         """`delay`: what streaming adds between the node and the client, to every token."""

@@ -54,7 +54,8 @@ class AutoFlow(Flow):
         if self.index is None:
             raise ValueError("auto mode needs the nodes' prefix caches (a PrefixIndex)")
         self.placer = Placer(CostModel.load(self.config.profile), self.index, self.config.placement,
-                             self.config.stall_weight, self.config.remote_prefill_threshold, slos=self.config.slos)
+                             self.config.stall_weight, self.config.remote_prefill_threshold, slos=self.config.slos,
+                             policy=self.config.policy)
         self.prompts = PromptTokens(self.config.model_dir)
 
     async def serve(self, req: ClientRequest) -> Response:

@@ -204,14 +204,21 @@ class Flow(ABC):
         """The node's SSE bytes, passed on as they come; closing either side closes the other. If the
         node fails mid-stream the client gets an SSE error event and `[DONE]`, not a cut connection."""
         ok, tail, timing = True, b"", req.timing
+        # Under an ITL SLO (auto mode's cost rule reads it), each stream's longest gap as the proxy sees it
+        itl_s = (self.config.slos or {}).get("max_itl_ms", 0.0) / 1e3 or None
         try:
             try:
                 chunks = response.aiter_raw()
                 if req.prompt_part is not None:
                     chunks = req.prompt_part.into_stream(chunks)
                 async for chunk in chunks:
+                    now = time.perf_counter()
                     if timing.first_byte is None:
-                        timing.first_byte = time.perf_counter()
+                        timing.first_byte = now
+                    elif itl_s is not None and not timing.past_itl and now - timing.last_byte > itl_s:
+                        timing.past_itl = True
+                        node.streams_past_itl += 1
+                    timing.last_byte = now
                     tail = (tail + chunk)[-2:]
                     yield chunk
             except httpx.HTTPError as exc:
@@ -225,3 +232,4 @@ class Flow(ABC):
         finally:
             await response.aclose()
             node.end(req.tokens, ok)
+            node.streams_past_itl -= timing.past_itl
