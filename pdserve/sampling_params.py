@@ -116,6 +116,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def decodes_from_given_token(self) -> bool:
+        """Whether a decode node may start from the first output token a prefill node sampled,
+        instead of computing the last prompt token to sample it again: one sequence (n > 1 samples
+        n first tokens), no logprobs (P's are not carried over) and no seeded draw (the decode
+        node's generator would be a draw behind a colocated node's, and its tokens would differ)."""
+        return self.n == 1 and self.logprobs is None and (self.greedy or self.seed is None)
+
     def check_vocab(self, vocab_size: int) -> None:
         """What only the model can say: whether logit_bias names tokens it has."""
         if self.logit_bias and max(self.logit_bias) >= vocab_size:

@@ -90,17 +90,50 @@ def test_decode_nodes_never_prefill_and_blocks_return_to_zero(cluster):
     for p in PROMPTS[:4]:
         out = proxy.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         prompt_tokens += out.usage.prompt_tokens
+    # With logprobs (P's first token's are not carried), D computes the last prompt token itself.
+    with_logprobs = proxy.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=8, temperature=0, logprobs=1,
+                                             extra_body={"ignore_eos": True})
+    assert len(with_logprobs.choices[0].logprobs.token_logprobs) == 8
     served = computed = remote = 0
     for d, (c0, r0, s0) in before.items():
         served += metric(cluster[d].url, "pdserve:request_success_total", 'finish_reason="length"') - s0
         computed += metric(cluster[d].url, "pdserve:prefill_tokens_computed_total") - c0
         remote += metric(cluster[d].url, "pdserve:kv_remote_prompt_tokens_total") - r0
-    assert served == 4
-    assert computed == 4  # D computes only the last prompt token of each request itself
-    assert remote == prompt_tokens - 4  # everything else came from P
+    assert served == 5
+    assert computed == 1  # D decodes from P's first token; only the logprobs request's last prompt token
+    assert remote == prompt_tokens + with_logprobs.usage.prompt_tokens - 1  # everything else came from P
     for name in ("p", "d_shm", "d_tcp"):
         assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
         assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_held", 0) == 0
+
+
+def test_d_decodes_from_ps_first_token_where_it_may_and_samples_it_itself_where_not(cluster):
+    """One token asked: D answers with P's first token once the KV is in, computing nothing, and
+    frees its blocks. A seeded draw, and n = 2, D samples itself from the last prompt token (P's
+    token would leave D's generator a draw behind): the same tokens as the colocated node."""
+    reference, proxy = client(cluster["both"].url), client(cluster["proxy"].url)
+    computed = {d: metric(cluster[d].url, "pdserve:prefill_tokens_computed_total") for d in ("d_shm", "d_tcp")}
+    one = proxy.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1, temperature=0)
+    assert one.choices[0].text == reference.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1,
+                                                                temperature=0).choices[0].text
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+    assert sum(metric(cluster[d].url, "pdserve:prefill_tokens_computed_total") - c for d, c in computed.items()) == 0
+    for kwargs in ({"temperature": 0.9, "seed": 7}, {"temperature": 0, "n": 2}):
+        ask = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=12, **kwargs)
+        expected = [c.text for c in reference.completions.create(**ask).choices]
+        assert [c.text for c in proxy.completions.create(**ask).choices] == expected
+    for name in ("p", "d_shm", "d_tcp"):
+        assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
+
+
+def test_a_bad_first_token_is_refused_before_any_load(cluster):
+    fake_p = {"do_remote_prefill": True, "remote_request_id": "r", "remote_block_ids": [0], "remote_host": "127.0.0.1",
+              "remote_port": 1}
+    for bad, says in ((10**9, "outside the vocabulary"), (-1, "first_token_id")):
+        r = httpx.post(cluster["d_tcp"].url + "/v1/completions", timeout=30,
+                       json={"prompt": "hello world", "max_tokens": 4, "kv_transfer_params": {**fake_p, "first_token_id": bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        assert says in r.json()["error"]["message"]
 
 
 def test_proxy_relays_node_errors_with_openai_body(cluster):

@@ -56,13 +56,16 @@ def test_one_request_colocated_costs_its_prefill_chunks_then_its_decode_steps():
     assert summary["completed"] == 1 and summary["slo_attainment"] == 0.0  # TTFT 1020 ms > 1000 ms
 
 
-def test_pull_adds_the_transfer_and_the_decode_nodes_recompute_of_the_last_token():
+def test_pull_adds_the_prompts_transfer_and_push_its_last_layer_and_the_last_tokens_recompute():
+    """Pull: D loads the whole prompt's KV and starts from P's first token (kv_transfer_params'
+    first_token_id), computing no prompt token. Push: only the last of 10 layers follows the
+    prefill, and D computes the last prompt token itself (a one-token prefill chunk)."""
     colocated = run("colocated:1", [BenchRequest([0], 100, 2)])
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)])
-    transfer = 0.002 + 99 * KV_BYTES * 1e-9  # D's connector loads all but the last prompt token
-    recompute = 0.010 + 0.001  # a one-token prefill chunk on D
-    assert pull["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + transfer + recompute)
-    push = run("push:1P1D", [BenchRequest([0], 100, 2)])  # only the last of 10 layers follows the prefill
+    transfer = 0.002 + 100 * KV_BYTES * 1e-9
+    assert pull["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + transfer)
+    recompute = 0.010 + 0.001
+    push = run("push:1P1D", [BenchRequest([0], 100, 2)])
     assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + int(9.9 * KV_BYTES) * 1e-9 + recompute)
 
 
@@ -73,8 +76,8 @@ def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
     assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002 + 0.030)
     assert colocated["itls"][0] == pytest.approx([0.020 + 0.002 + 0.005 + 101e-5, 0.020 + 0.002 + 0.005 + 102e-5])
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's, then the pull
-    transfer = 0.002 + 99 * KV_BYTES * 1e-9
-    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + (0.011 + 0.002) + 0.030)
+    transfer = 0.002 + 100 * KV_BYTES * 1e-9  # then P's first token leaves D: no step of D's before it
+    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + 0.030)
     # Push: D's hop; D reserves its blocks and announces them (a hop to the proxy); P's hop; P's
     # prefill, of which only the last layer's transfer follows.
     push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
@@ -241,9 +244,9 @@ def test_a_prefill_node_holds_the_kv_until_it_is_pulled():
     to be pulled, not for its prefill to end."""
     profile = known_profile(capacity=112)
     summary = run("pull:1P1D", [BenchRequest([0], 100, 2), BenchRequest([0], 100, 2)], profile=profile)
-    prefill, transfer, recompute = 0.110, 0.002 + 99 * KV_BYTES * 1e-9, 0.011
-    assert summary["ttfts"][0] == pytest.approx(prefill + transfer + recompute)
-    assert summary["ttfts"][1] == pytest.approx(2 * (prefill + transfer) + recompute)
+    prefill, transfer = 0.110, 0.002 + 100 * KV_BYTES * 1e-9
+    assert summary["ttfts"][0] == pytest.approx(prefill + transfer)
+    assert summary["ttfts"][1] == pytest.approx(2 * (prefill + transfer))
     assert summary["preemptions"] == 0  # P's second prompt waited; nothing was evicted
 
 
@@ -366,11 +369,11 @@ def slow_transfer_profile(capacity: int = 100_000) -> Profile:
 
 def test_a_decode_node_pulls_only_what_its_own_cache_lacks():
     """pull:1P1D, two turns (40 tokens, then 52). Turn 1: P computes 40 tokens (50 ms), D's connector
-    loads 39 (41 ms) and D computes the last (11 ms). Both nodes keep turn 1's two full blocks.
+    loads all 40 (42 ms) and D starts from P's first token. Both nodes keep turn 1's two full blocks.
     Turn 2: P computes 20 tokens (30 ms); D matches those 32 tokens in its own cache and loads only
-    19 (21 ms), as the engine's scheduler and connector do; without D's cache it would load 51."""
+    20 (22 ms), as the engine's scheduler and connector do; without D's cache it would load 52."""
     summary = run("pull:1P1D", conversation(2), profile=slow_transfer_profile(), prefix_caching=True)
-    assert summary["ttfts"] == pytest.approx([0.050 + 0.041 + 0.011, 0.030 + 0.021 + 0.011])
+    assert summary["ttfts"] == pytest.approx([0.050 + 0.042, 0.030 + 0.022])
 
 
 def test_push_reserves_decode_blocks_before_the_prefill_starts():

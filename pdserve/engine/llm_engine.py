@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 
+import msgspec
 import torch
 
 from pdserve.config import EngineConfig
@@ -187,6 +188,12 @@ class LLMEngine:
                 raise InvalidParameter("kv_transfer_params", "this node is colocated (--role both): no KV transfer "
                                        "(--role kv_both serves whole requests and moves KV)")
             self.connector.validate(kv_transfer_params, len(prompt_token_ids))
+            first = kv_transfer_params.first_token_id
+            if first is not None and not params.decodes_from_given_token:  # D samples the first token itself
+                kv_transfer_params = msgspec.structs.replace(kv_transfer_params, first_token_id=None)
+            elif first is not None and first >= self.model_config.vocab_size:
+                raise InvalidParameter("kv_transfer_params", f"kv_transfer_params.first_token_id {first} is outside "
+                                       f"the vocabulary [0, {self.model_config.vocab_size})")
         return CheckedRequest(prompt_token_ids, params, kv_transfer_params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv.params import wants_remote_prefill
+from pdserve.kv.params import given_first_token, wants_remote_prefill
 
 if TYPE_CHECKING:
     from pdserve.kv.connector import FinishedTransfers, KVConnectorScheduler
@@ -198,6 +198,7 @@ class Scheduler:
             if req is None:
                 continue
             req.metrics.kv_load_seconds = now - req.metrics.first_scheduled_time
+            first_token = given_first_token(req.kv_transfer_params)
             req.kv_transfer_params = None  # loaded (or given up): never load twice
             if req.status.finished:  # aborted while its blocks were being written: free them now
                 self.block_manager.free(req)
@@ -205,8 +206,16 @@ class Scheduler:
             if result.error is None:
                 req.num_computed_tokens += req.kv_external_tokens
                 req.metrics.num_remote_tokens = req.kv_external_tokens
+                self.block_manager.cache_full_blocks(req)  # loaded blocks are computed ones: reusable now
                 if self.kv_stats is not None:
                     self.kv_stats.add_remote_tokens(req.kv_external_tokens)
+                if first_token is not None:  # the whole prompt came from P: decode from P's first token
+                    req.append_token(first_token, now)
+                    if req.status.finished:
+                        self._finish(req)
+                    outputs.append(req.output([first_token]))
+                    if req.status.finished:
+                        continue
             elif self.load_failure_policy == "fail":
                 req.error = f"KV transfer from the prefill node failed: {result.error}"
                 outputs.extend(self.abort(req.client_id))

@@ -28,6 +28,7 @@ from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import (
     KVTransferParams,
+    given_first_token,
     join_tables,
     split_tables,
     wants_remote_decode,
@@ -56,6 +57,9 @@ class ConnectorRequest(Protocol):
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
     @property
     def finish_reason(self) -> str | None: ...
@@ -106,6 +110,11 @@ class FinishedTransfers:
     push_failed: list[tuple[str, str]] = field(default_factory=list)  # P: (request id, why)
 
 
+def remote_tokens(params: KVTransferParams, num_prompt_tokens: int) -> int:
+    """D: the prompt tokens whose KV comes from P: all, given P's first token; else all but the last."""
+    return max(num_prompt_tokens - (0 if given_first_token(params) is not None else 1), 0)
+
+
 class KVConnectorScheduler:
     def __init__(self, config: KVTransferConfig, block_size: int, held: HeldBlocks, engine_id: str,
                  group_windows: tuple[int, ...] = (0,)) -> None:
@@ -144,7 +153,7 @@ class KVConnectorScheduler:
                 self._require_blocks(params, num_prompt_tokens)
 
     def _require_blocks(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
-        needed = -(-max(num_prompt_tokens - 1, 0) // self.block_size)
+        needed = -(-remote_tokens(params, num_prompt_tokens) // self.block_size)
         ids, groups = len(params.remote_block_ids), self.num_groups
         if ids % groups or ids // groups < needed:
             tables = f" for each of the model's {groups} KV groups, one table after another" if groups > 1 else ""
@@ -156,12 +165,12 @@ class KVConnectorScheduler:
     def get_num_new_matched_tokens(self, req: ConnectorRequest, num_computed_tokens: int) -> int:
         """Prompt tokens, beyond those computed or cached here, whose KV will be loaded from P.
 
-        P computed the whole prompt; D still computes the last prompt token itself, because
-        sampling the first output token needs its logits.
+        P computed the whole prompt. Given P's first output token, D loads it all and decodes from
+        that token; otherwise D computes the last prompt token itself, for the logits that sample it.
         """
         if not wants_remote_prefill(req.kv_transfer_params):
             return 0
-        return max(req.num_prompt_tokens - 1 - num_computed_tokens, 0)
+        return max(remote_tokens(req.kv_transfer_params, req.num_prompt_tokens) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, req: ConnectorRequest, num_external_tokens: int) -> None:
         """Record the blocks just reserved for req's remote tokens: a load (pull) or a push to expect."""
@@ -252,8 +261,9 @@ class KVConnectorScheduler:
             return False, None  # aborted: nobody will pull
         blocks = join_tables([t[: -(-req.num_prompt_tokens // self.block_size)] for t in req.block_tables])
         self.held.hold(req.request_id, blocks)
+        first = req.output_token_ids[0] if req.output_token_ids else None
         return True, KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks, remote_engine_id=self.engine_id,
-                                      remote_request_id=req.request_id, **self.advertised)
+                                      remote_request_id=req.request_id, first_token_id=first, **self.advertised)
 
 
 class KVConnectorWorker:

@@ -7,7 +7,8 @@ constructors below, the node parses them with `parse` (a 400 naming the field on
 and the connector reads the fields it needs with `require`.
 
   pull, proxy -> P   do_remote_decode
-  pull, P -> proxy   do_remote_prefill, remote_request_id, remote_block_ids, remote_host, ...
+  pull, P -> proxy   do_remote_prefill, remote_request_id, remote_block_ids, remote_host, ...,
+                     first_token_id (the token P sampled: D decodes from it, computing no prompt token)
   pull, proxy -> D   P's answer as it came
   push, proxy -> D   do_remote_prefill, kv_mode=push, metaserver, proxy_request_id
   push, D -> proxy   (POST metaserver) proxy_request_id, remote_request_id, remote_block_ids, ...
@@ -41,6 +42,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_first_block: int | None = None  # push: D already holds the blocks before this one
     metaserver: str | None = None  # push: where D announces its blocks (the proxy's /v1/kv/meta)
     proxy_request_id: str | None = None  # push: the proxy's id, to match D's announcement
+    # pull, P -> D: the first output token P sampled. D then loads the whole prompt's KV and
+    # decodes from this token; without it D computes the last prompt token itself, a prefill row
+    # (the dense weights) in a step its streams wait for.
+    first_token_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
     tp_size: int = 1
 
     @property
@@ -87,6 +92,13 @@ def parse(raw: dict[str, Any] | None) -> KVTransferParams | None:
 def wants_remote_prefill(params: KVTransferParams | None) -> bool:
     """D: this request's prompt KV comes from a prefill node."""
     return params is not None and params.do_remote_prefill
+
+
+def given_first_token(params: KVTransferParams | None) -> int | None:
+    """D, pull: the first output token P sampled, when D decodes from it (else None)."""
+    if params is None or not params.do_remote_prefill or params.is_push:
+        return None
+    return params.first_token_id
 
 
 def wants_remote_decode(params: KVTransferParams | None) -> bool:

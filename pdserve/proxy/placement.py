@@ -10,8 +10,8 @@ Every option is priced from the profile (proxy/costs.py) and what the proxy know
 - the streams decoding on the decode node, each of which a prefill there stalls for its length.
 
 An option's predicted TTFT is queue wait + one request hop + the uncached prefill (+ for a remote
-prefill: the transfer of what D does not hold, D's second hop and its recompute of the last
-prompt token). Its stall is the seconds of prefill run on the decode node times the streams it
+prefill: the transfer of what D does not hold, D's second hop, and its recompute of the last
+prompt token unless D decodes from P's first token: kv_transfer_params.first_token_id). Its stall is the seconds of prefill run on the decode node times the streams it
 holds (and, prefilled on a kv_both node, the prefill times the streams that node holds). The
 proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second of delay to
 each stream already decoding counts as much as a second of this request's TTFT.
@@ -65,9 +65,10 @@ class PromptView:
     """One prompt against the nodes now: the blocks each holds, its queue, and each option's price."""
 
     def __init__(self, token_ids: list[int], costs: CostModel, index: PrefixIndex, transport: str,
-                 now: float) -> None:
+                 now: float, first_token_given: bool = False) -> None:
         self.token_ids, self.costs, self.index, self.transport = token_ids, costs, index, transport
         self.now = now
+        self.first_token_given = first_token_given  # remote: D decodes from P's first token, computing no prompt token
         self._hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
         self._cached: dict[str, int] = {}
 
@@ -105,7 +106,8 @@ class PromptView:
 
     def remote(self, d: Node, p: Node) -> Placement:
         n, costs, hit = self.tokens, self.costs, self.cached(p)
-        last_token = costs.prefill_s(n, n - 1) * d.speed.prefill  # D computes the last prompt token itself
+        # D computes the last prompt token itself, unless it decodes from P's first token
+        last_token = 0.0 if self.first_token_given else costs.prefill_s(n, n - 1) * d.speed.prefill
         ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), self.transport) + costs.request_hop_s
                 + self.wait(d) + last_token)
         profile_s = costs.prefill_s(n, hit)
@@ -290,16 +292,18 @@ class Placer:
         return 0
 
     def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node],
-              output_tokens: int = 128) -> Placement:
+              output_tokens: int = 128, first_token_given: bool = False) -> Placement:
         """The rule's choice over healthy nodes; NoHealthyNode if no node can decode.
-        `output_tokens`: what the request asks for (the SLO-aware cost rule spreads stalls over it)."""
+        `output_tokens`: what the request asks for (the SLO-aware cost rule spreads stalls over it);
+        `first_token_given`: prefilled remotely, D would decode from P's first token
+        (SamplingParams.decodes_from_given_token), not compute the last prompt token."""
         prefillers = [p for p in prefillers if p.healthy]
         decoders = [d for d in decoders if d.healthy]
         if not decoders:
             raise NoHealthyNode("no healthy decode or colocated node")
         for d in decoders:  # the decode steps each node ran since the last request
             d.speed.fold_decode(self.costs.step_s)
-        view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock())
+        view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock(), first_token_given)
         return self.rule.place(view, prefillers, decoders, output_tokens)
 
     def dispatched(self, placement: Placement) -> None:

@@ -150,7 +150,9 @@ class SimNode:
     def kv_arrived(self, job: Job) -> None:
         """D: the KV the connector reserved blocks for has arrived (pulled, or its last layer pushed)."""
         result = TransferResult(str(job.request_id), None, "push" if job.kv_params.is_push else "pull")
-        self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
+        outputs = self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
+        self._tokens(outputs, self.sim.now)  # pull: D starts from P's first token, which the client gets now
+        self._done(outputs, self.sim.now)
         self._news()
 
     def release(self, job: Job) -> None:
@@ -229,11 +231,14 @@ class SimNode:
     def _finish_step(self, out: SchedulerOutput) -> None:
         now = self.sim.now
         outputs = self.scheduler.update_from_output(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
+        self._tokens(outputs, now)
+        self._retire(outputs, now)
+
+    def _tokens(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
             job = self.jobs[output.request_id]
             if job.tokens is not None:
                 job.tokens.token(now)
-        self._retire(outputs, now)
 
     def _finish_run(self, token: int) -> None:
         if token != self.run_token:
@@ -252,16 +257,19 @@ class SimNode:
         self._retire(outputs, self.sim.now)
 
     def _retire(self, outputs: list[RequestOutput], now: float) -> None:
-        for output in outputs:
-            if output.finished:
-                job = self.jobs.pop(output.request_id)
-                job.answer_params = output.kv_transfer_params
-                job.on_done(now)
+        self._done(outputs, now)
         self.busy = False
         self._maybe_step()
         if not self.busy and self.active:  # out of work: the host's other nodes speed up
             self.active = False
             self._tell_host()
+
+    def _done(self, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            if output.finished:
+                job = self.jobs.pop(output.request_id)
+                job.answer_params = output.kv_transfer_params
+                job.on_done(now)
 
     def _corun(self) -> tuple[float, float]:
         """(prefill, decode) slow-down of a step starting now: the co-run factors while another

@@ -172,7 +172,8 @@ class SimProxy:
                on_done: Callable[[float], None]) -> None:
         """AutoFlow: the proxy's Placer chooses (placement.py): prefill on D, or on a P that D pulls from."""
         self._read_kv_usage()
-        placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len)
+        # The simulated requests are greedy, one sequence: D decodes from P's first token
+        placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len, first_token_given=True)
         self.placer.dispatched(placement)
         self.placements[placement.choice] += 1
         itl_slo = self.placer.slos.get("max_itl_ms")

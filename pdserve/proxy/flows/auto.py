@@ -64,10 +64,12 @@ class AutoFlow(Flow):
         asked = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
         output_tokens = asked if isinstance(asked, int) and asked > 0 else DEFAULT_OUTPUT_TOKENS
         req.tokens = len(token_ids) + output_tokens * sequences(req.body)  # exact prompt tokens, not the estimate
+        first_token_given = req.parsed.to_sampling_params(output_tokens).decodes_from_given_token
         failed: set[str] = set()
         while True:
             placement = self.placer.place(token_ids, [p for p in self.members.prefillers if p.url not in failed],
-                                          [d for d in self.members.decoders if d.url not in failed], output_tokens)
+                                          [d for d in self.members.decoders if d.url not in failed], output_tokens,
+                                          first_token_given)
             timing = req.timing
             if timing.placement is None:  # the first choice is what placing cost
                 timing.placement_s = time.perf_counter() - start
