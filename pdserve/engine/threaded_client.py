@@ -141,13 +141,14 @@ class ThreadedEngineClient(EngineClient):
                     break
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
-                    self._stats = self.engine.stats()  # before the outputs: a client that has its answer sees its effect
+                    # Stats and metrics before the outputs: a client that has its answer sees its effect
+                    self._stats = self.engine.stats()
+                    if self.on_step is not None:
+                        self.on_step(outputs)
                     for out in outputs:
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)
-                    if self.on_step is not None:
-                        self.on_step(outputs)
         except BaseException as exc:  # the engine is broken: fail every waiting request
             logger.exception("engine loop died")
             self._error = exc
