@@ -22,9 +22,9 @@ proxy already saw pass it (Node.streams_past_itl, counted as it relays the strea
 again, so a prefill beside such streams costs nothing there: prompts gather on the node whose
 streams are already late and leave the others' gaps short. Where every option is predicted to make
 someone miss and the static route (the proxy's --policy, as colocated or xPyD would go) makes no
-more miss than the best, it takes the static route: the costs then cannot tell the options apart,
-and measured under a 67 ms ITL SLO, least TTFT + stall put each new prompt on the node of fewer
-streams and lengthened the longest gaps (docs/benchmarks.md, "Third look").
+more miss than the best, it takes the static route: the costs then cannot tell the options apart
+(under a 67 ms ITL SLO, least TTFT + stall gave longest gaps no shorter than colocated's round
+robin: docs/benchmarks.md, "Third look").
 """
 
 from __future__ import annotations
