@@ -282,6 +282,8 @@ def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
         assert metric(decode.url, "pdserve:decode_step_kv_tokens_total") > 100 * steps  # ~200 a step on average
         speeds = {n["role"]: n["speed"] for n in httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"]}
         assert speeds["decode"]["decode"] != 1.0 and 1 / 3 <= speeds["decode"]["decode"] <= 3
+        cold = httpx.post(proxy.url + "/v1/completions", json={**ask, "temperature": -1}, timeout=60)
+        assert cold.status_code == 400 and cold.json()["error"]["param"] == "temperature"  # the node's 400, relayed
     finally:
         proxy.stop()
         decode.stop()

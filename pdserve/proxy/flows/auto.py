@@ -25,6 +25,7 @@ from pdserve.proxy.membership import Membership
 from pdserve.proxy.placement import Placer, pulls
 from pdserve.proxy.prompts import PromptTokens
 from pdserve.proxy.timing import RequestTiming
+from pdserve.sampling_params import InvalidParameter
 
 DEFAULT_OUTPUT_TOKENS = 128  # what a request that names no max_tokens is expected to produce
 
@@ -64,7 +65,10 @@ class AutoFlow(Flow):
         asked = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
         output_tokens = asked if isinstance(asked, int) and asked > 0 else DEFAULT_OUTPUT_TOKENS
         req.tokens = len(token_ids) + output_tokens * sequences(req.body)  # exact prompt tokens, not the estimate
-        first_token_given = req.parsed.to_sampling_params(output_tokens).decodes_from_given_token
+        try:
+            first_token_given = req.parsed.to_sampling_params(output_tokens).decodes_from_given_token
+        except InvalidParameter:  # the node that gets it answers the 400, naming the field, as in every mode
+            first_token_given = False
         failed: set[str] = set()
         while True:
             placement = self.placer.place(token_ids, [p for p in self.members.prefillers if p.url not in failed],
