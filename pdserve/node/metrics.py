@@ -29,6 +29,8 @@ class NodeMetrics:
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
         self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)
+        self.cached_tokens = Counter("pdserve:prefix_cache_hit_tokens", "Prompt tokens served from this node's prefix cache",
+                                     registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests", ["finish_reason"], registry=r)
         # pdserve:engine_info{device=,device_name=,isa=,dtype=,kernels=,quantization=,attention=,
         # tensor_parallel_size=} 1: what this node runs on.
@@ -59,6 +61,7 @@ class NodeMetrics:
                 if len(m.token_times) == 1:
                     self.ttft.observe(m.ttft)
                     self.prefill_tokens.inc(len(out.prompt_token_ids) - m.num_cached_tokens - m.num_remote_tokens)
+                    self.cached_tokens.inc(m.num_cached_tokens)
                     if m.num_remote_tokens:
                         self.kv_load.observe(m.kv_load_seconds)
                 else:
