@@ -55,16 +55,19 @@ def hf_with_weights_of(llm):
     return reference.eval()
 
 
-def push_in_chunks(sender, request_id: str, target, chunks: list[tuple[list[int], list[int]]], num_layers: int) -> None:
+def push_in_chunks(sender, request_id: str, target, chunks: list[tuple[list[int], list[int]]], num_layers: int,
+                   first_token: int | None = None) -> None:
     """Push (P blocks, D blocks) chunks as a chunked prefill's steps do: every layer of each step
-    through the forward pass's hook, the last chunk ending the session."""
+    through the forward pass's hook, the last chunk ending the session (with the token its step
+    sampled, `first_token`)."""
     from pdserve.kv.push import SaveSpec
 
     for i, (src, dst) in enumerate(chunks):
-        sender.begin_step([SaveSpec(request_id, target, [src], [dst], last=i == len(chunks) - 1)])  # one KV group
+        last = i == len(chunks) - 1
+        sender.begin_step([SaveSpec(request_id, target, [src], [dst], last=last)])  # one KV group
         for layer in range(num_layers):
             sender.save_kv_layer(layer)
-        sender.wait_for_save()
+        sender.wait_for_save({request_id: first_token} if last and first_token is not None else {})
 
 
 # Two greedy paths (PD and colocated, quantized kernels and transformers) may part only where the

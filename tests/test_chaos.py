@@ -23,8 +23,7 @@ from servers import Procs, metric, wait_for_metric
 from pdserve.procs import Child
 
 # float32 unquantized: "the same answer" is exact there; in bf16 or on int4 weights a near-tie can
-# flip with the computation path (D computes the last prompt token alone, a colocated node inside
-# its prefill).
+# flip with the computation path (a retried or recomputed request's rows run in other batches).
 NODE = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.15", "--log-level", "warning"]
 HOLD_S = 2.0  # P's --kv-hold-timeout in these tests
 ANSWER_BOUND_S = 60.0  # a complete answer, retries and recomputes included (2 shared cores)

@@ -209,6 +209,25 @@ def test_push_moves_bytes_over_both_transports_and_p_holds_nothing(cluster):
     assert metric(cluster["p"].url, "pdserve:kv_blocks_used") == 0
 
 
+def test_d_decodes_from_the_first_token_p_pushed(cluster):
+    """Greedy, one sequence: D asks P for the whole prompt's KV and the first token P sampled, and
+    decodes from it, computing no prompt token; a one-token answer is P's token. Asking for
+    logprobs (P's are not carried), D computes the last prompt token itself."""
+    def computed() -> float:
+        return sum(metric(cluster[d].url, "pdserve:prefill_tokens_computed_total") for d in ("d_shm", "d_tcp"))
+
+    before = computed()
+    for i, p in enumerate(PROMPTS[:4]):
+        assert ask(cluster["push"].url, p, bool(i % 2), max_tokens=8) == ask(cluster["both"].url, p, False, 8)
+    assert ask(cluster["push"].url, PROMPTS[6], False, max_tokens=1) == ask(cluster["both"].url, PROMPTS[6], False, 1)
+    assert computed() == before
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    expected = httpx.post(cluster["both"].url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    got = httpx.post(cluster["push"].url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert got["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+    assert computed() == before + 1
+
+
 def test_client_gone_mid_push_frees_blocks_on_both_sides(cluster):
     """The client leaves while P is still prefilling (and pushing) a long prompt."""
     fresh = " ".join(f"Line {i}: a different text about the cube of {i}, {i ** 3}." for i in range(80))  # no cache hits

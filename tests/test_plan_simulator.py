@@ -56,17 +56,17 @@ def test_one_request_colocated_costs_its_prefill_chunks_then_its_decode_steps():
     assert summary["completed"] == 1 and summary["slo_attainment"] == 0.0  # TTFT 1020 ms > 1000 ms
 
 
-def test_pull_adds_the_prompts_transfer_and_push_its_last_layer_and_the_last_tokens_recompute():
+def test_pull_adds_the_prompts_transfer_and_push_its_last_layer():
     """Pull: D loads the whole prompt's KV and starts from P's first token (kv_transfer_params'
-    first_token_id), computing no prompt token. Push: only the last of 10 layers follows the
-    prefill, and D computes the last prompt token itself (a one-token prefill chunk)."""
+    first_token_id), computing no prompt token. Push: only the last of 10 layers (of all 100
+    prompt tokens) follows the prefill, and D starts from the first token P sent with the push's
+    end (send_first_token), computing no prompt token either."""
     colocated = run("colocated:1", [BenchRequest([0], 100, 2)])
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)])
     transfer = 0.002 + 100 * KV_BYTES * 1e-9
     assert pull["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + transfer)
-    recompute = 0.010 + 0.001
     push = run("push:1P1D", [BenchRequest([0], 100, 2)])
-    assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + int(9.9 * KV_BYTES) * 1e-9 + recompute)
+    assert push["ttfts"][0] == pytest.approx(colocated["ttfts"][0] + 0.002 + 10 * KV_BYTES * 1e-9)
 
 
 def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
@@ -79,10 +79,10 @@ def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
     transfer = 0.002 + 100 * KV_BYTES * 1e-9  # then P's first token leaves D: no step of D's before it
     assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + 0.030)
     # Push: D's hop; D reserves its blocks and announces them (a hop to the proxy); P's hop; P's
-    # prefill, of which only the last layer's transfer follows.
+    # prefill, of which only the last layer's transfer follows; then P's first token leaves D.
     push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
-    last_layer = 0.002 + int(9.9 * KV_BYTES) * 1e-9
-    assert push["ttfts"][0] == pytest.approx(3 * 0.050 + (0.110 + 0.002) + last_layer + (0.011 + 0.002) + 0.030)
+    last_layer = 0.002 + 10 * KV_BYTES * 1e-9
+    assert push["ttfts"][0] == pytest.approx(3 * 0.050 + (0.110 + 0.002) + last_layer + 0.030)
 
 
 def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
@@ -379,12 +379,12 @@ def test_a_decode_node_pulls_only_what_its_own_cache_lacks():
 def test_push_reserves_decode_blocks_before_the_prefill_starts():
     """push:1P1D, D's pool holding one request (7 blocks): D reserves the first request's blocks,
     so the second is not even sent to P until the first has finished on D and freed them (pull
-    would prefill it on P meanwhile). Each: P's prefill (110 ms), its last layer (2 ms + 9.9 us),
-    D's last prompt token (11 ms)."""
+    would prefill it on P meanwhile). Each: P's prefill (110 ms), its last layer (2 ms + 10 us),
+    then D starts from P's first token."""
     profile = known_profile()
     profile.meta["node"] = {**profile.meta["node"], "kv_capacity_tokens": 112}
     summary = run("push:1P1D", [BenchRequest([0], 100, 5), BenchRequest([0], 100, 5)], profile=profile)
-    first = 0.110 + 0.002 + 9_900e-9 + 0.011
+    first = 0.110 + 0.002 + 10_000e-9
     assert summary["ttfts"][0] == pytest.approx(first)
     assert summary["ttfts"][1] == pytest.approx(summary["e2els"][0] + first)
 

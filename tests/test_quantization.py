@@ -246,9 +246,10 @@ def test_pd_on_int4_answers_as_colocated(tmp_path, smollm_dir):
     elsewhere) give the colocated node's answers, up to genuine ties.
 
     Exact equality of long greedy runs needs a path whose rows do not depend on the batch (float32
-    unquantized: test_pd_pull, test_pd_push): D computes the last prompt token alone, a colocated
-    node inside the prompt's GEMM, so that row differs in its last bits, and a near-tie many tokens
-    later can flip. So: the first token (P's, from the prompt's GEMM on both sides) and the README's
+    unquantized: test_pd_pull, test_pd_push): a row's last bits follow the batch it runs in (a GEMM's
+    kernel is chosen by the call's shape; D computes the last prompt token alone where it cannot
+    decode from P's first token, a colocated node inside the prompt's GEMM), and a near-tie many
+    tokens later can flip. So: the first token (P's, from the prompt's GEMM on both sides) and the README's
     answer must be equal, and 32-token runs equal or parting only at a near-tie of the float32 logits
     (helpers.PATH_TIE_MARGIN), whose margin is reported.
     """

@@ -103,13 +103,15 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
         receiver.expect("d-1", DST, timeout_s=30)
         push = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, target.shm_name)
         # Two steps (chunks), as a chunked prefill pushes them: the first three blocks, then the rest.
-        push_in_chunks(sender, "p-1", push, [(SRC[:3], DST[:3]), (SRC[3:], DST[3:])], SHAPE[0])
+        # The last step's sampled token ends the session: D decodes from it.
+        push_in_chunks(sender, "p-1", push, [(SRC[:3], DST[:3]), (SRC[3:], DST[3:])], SHAPE[0], first_token=7)
         [result] = inbox.poll(timeout=30)
     finally:
         receiver.close()
         p_transports.close()
         d_transports.close()
     assert result.error is None and (result.request_id, result.mode, result.transport) == ("d-1", "push", name)
+    assert result.first_token_id == 7
     assert sender.failed_requests() == []
     assert torch.equal(target.tensor[:, :, DST], owner.tensor[:, :, SRC])
     assert only_blocks_written(target, DST, range(SHAPE[0]))
@@ -126,7 +128,7 @@ def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
         push = PushTarget("nobody", [DST], 0, "127.0.0.1", receiver.port, target.shm_name)
         sender.begin_step([SaveSpec("p-1", push, [SRC], [DST], last=True)])
         sender.save_kv_layer(0)
-        sender.wait_for_save()
+        sender.wait_for_save({})
         [(request_id, error)] = sender.failed_requests()
     finally:
         receiver.close()

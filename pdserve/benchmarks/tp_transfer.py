@@ -81,7 +81,7 @@ def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
             sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True, num_tokens=num_tokens)])
             for layer in range(len(p.pool.layer_slots)):
                 sender.save_kv_layer(layer)
-            sender.wait_for_save()
+            sender.wait_for_save({})
             [result] = inbox.poll(timeout=60)
             assert result.error is None, result.error
             seconds.append(time.perf_counter() - start)

@@ -19,10 +19,10 @@ from pdserve.engine.rank import RankSpec, set_up_rank
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from pdserve.engine.tp_workers import TPWorkers, tp_threads
-from pdserve.kv.connector import KVConnectorScheduler, KVConnectorWorker, new_engine_id
+from pdserve.kv.connector import FinishedTransfers, KVConnectorScheduler, KVConnectorWorker, new_engine_id
 from pdserve.kv.events import KVEventLog, KVEventPage, KVSnapshot
 from pdserve.kv.holds import HeldBlocks
-from pdserve.kv.params import KVTransferParams
+from pdserve.kv.params import KVTransferParams, wants_remote_prefill
 from pdserve.kv.pool import KVPool
 from pdserve.kv.stats import KVStats, KVStatsSnapshot
 from pdserve.kv.transport import uses_shared_pool
@@ -189,7 +189,11 @@ class LLMEngine:
                                        "(--role kv_both serves whole requests and moves KV)")
             self.connector.validate(kv_transfer_params, len(prompt_token_ids))
             first = kv_transfer_params.first_token_id
-            if first is not None and not params.decodes_from_given_token:  # D samples the first token itself
+            if wants_remote_prefill(kv_transfer_params) and kv_transfer_params.is_push:
+                # Push: D asks P for the whole prompt and its first token where P's draw may stand for D's.
+                kv_transfer_params = msgspec.structs.replace(
+                    kv_transfer_params, send_first_token=True if params.decodes_from_given_token else None)
+            elif first is not None and not params.decodes_from_given_token:  # D samples the first token itself
                 kv_transfer_params = msgspec.structs.replace(kv_transfer_params, first_token_id=None)
             elif first is not None and first >= self.model_config.vocab_size:
                 raise InvalidParameter("kv_transfer_params", f"kv_transfer_params.first_token_id {first} is outside "
@@ -327,15 +331,24 @@ class LLMEngine:
         if worker is None:
             scheduled = self._schedule()
             return self.scheduler.update_from_output(scheduled, self.model_runner.run(scheduled))
-        outputs = self.scheduler.update_kv_transfers(worker.get_finished())
+        outputs = self.scheduler.update_kv_transfers(self._checked(worker.get_finished()))
         scheduled = self._schedule()
         meta = self.connector.build_connector_meta(scheduled.scheduled)
         worker.start_load_kv(meta, self.connector.advertised)
         # Push: each layer goes to D as soon as it is computed; the step ends once all are sent.
         sampled = self.model_runner.run(scheduled, after_layer=worker.save_kv_layer if meta.saves else None)
         if meta.saves:
-            worker.wait_for_save()
+            worker.wait_for_save(sampled)  # a finished prompt's push ends with its first token
         return outputs + self.scheduler.update_from_output(scheduled, sampled)
+
+    def _checked(self, finished: FinishedTransfers) -> FinishedTransfers:
+        """A pushed first token outside this model's vocabulary is dropped: D computes its own."""
+        for result in finished.received:
+            if result.first_token_id is not None and not 0 <= result.first_token_id < self.model_config.vocab_size:
+                logger.warning("request %s: the prefill node's first token %d is outside the vocabulary; computing it "
+                               "here", result.request_id, result.first_token_id)
+                result.first_token_id = None
+        return finished
 
     def close(self) -> None:
         """Release the side channel, the shared-memory pools and the other TP ranks (also what a

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv.params import given_first_token, wants_remote_prefill
+from pdserve.kv.params import given_first_token, moves_whole_prompt, wants_remote_prefill
 
 if TYPE_CHECKING:
     from pdserve.kv.connector import FinishedTransfers, KVConnectorScheduler
@@ -198,12 +198,15 @@ class Scheduler:
             if req is None:
                 continue
             req.metrics.kv_load_seconds = now - req.metrics.first_scheduled_time
-            first_token = given_first_token(req.kv_transfer_params)
+            params = req.kv_transfer_params
+            first_token = result.first_token_id if params.is_push and params.send_first_token else given_first_token(params)
             req.kv_transfer_params = None  # loaded (or given up): never load twice
             if req.status.finished:  # aborted while its blocks were being written: free them now
                 self.block_manager.free(req)
                 continue
             if result.error is None:
+                if first_token is None and moves_whole_prompt(params):
+                    req.kv_external_tokens -= 1  # P sent no first token: compute the last prompt token here
                 req.num_computed_tokens += req.kv_external_tokens
                 req.metrics.num_remote_tokens = req.kv_external_tokens
                 self.block_manager.cache_full_blocks(req)  # loaded blocks are computed ones: reusable now

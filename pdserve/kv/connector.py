@@ -28,8 +28,8 @@ from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import (
     KVTransferParams,
-    given_first_token,
     join_tables,
+    moves_whole_prompt,
     split_tables,
     wants_remote_decode,
     wants_remote_prefill,
@@ -83,12 +83,14 @@ class ExpectSpec:
     metaserver: str
     proxy_request_id: str
 
+    send_first_token: bool | None = None  # D decodes from P's first token: P pushes the whole prompt
+
     def announcement(self, advertised: dict[str, Any]) -> KVTransferParams:
         """What D tells the proxy's meta endpoint: its request, the blocks to push into, and where
         its side channel is (`advertised`); P's instructions are made from it (push_prefill)."""
         return KVTransferParams(proxy_request_id=self.proxy_request_id, remote_request_id=self.request_id,
                                 remote_block_ids=join_tables(self.block_ids), remote_first_block=self.first_block,
-                                **advertised)
+                                send_first_token=self.send_first_token, **advertised)
 
 
 @dataclass
@@ -111,8 +113,8 @@ class FinishedTransfers:
 
 
 def remote_tokens(params: KVTransferParams, num_prompt_tokens: int) -> int:
-    """D: the prompt tokens whose KV comes from P: all, given P's first token; else all but the last."""
-    return max(num_prompt_tokens - (0 if given_first_token(params) is not None else 1), 0)
+    """The prompt tokens whose KV moves P -> D: all, when D decodes from P's first token; else all but the last."""
+    return max(num_prompt_tokens - (0 if moves_whole_prompt(params) else 1), 0)
 
 
 class KVConnectorScheduler:
@@ -179,7 +181,7 @@ class KVConnectorScheduler:
         last = -(-(req.num_computed_tokens + num_external_tokens) // bs)
         if params.is_push:
             self._expects.append(ExpectSpec(req.request_id, [t[:last] for t in req.block_tables], first,
-                                            params.metaserver, params.proxy_request_id))
+                                            params.metaserver, params.proxy_request_id, params.send_first_token))
             return
         self._pending.append(
             LoadSpec(
@@ -228,14 +230,15 @@ class KVConnectorScheduler:
                                     params.remote_first_block, params.remote_host, params.remote_port,
                                     params.remote_shm_name)
                 progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
-            # D needs the KV of tokens [0, n - 1); the last, partly filled block is sent again
+            # D needs the KV of tokens [0, needed); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
-            useful_end = min(end, n - 1)
+            needed = remote_tokens(params, n)
+            useful_end = min(end, needed)
             first, last = progress.next_block, -(-useful_end // bs)
             src = [t[first:last] for t in req.block_tables]
             dst = [t[first:last] for t in progress.target.block_ids]
             progress.next_block = max(first, useful_end // bs)
-            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n, num_tokens=n - 1,
+            saves.append(SaveSpec(req.request_id, progress.target, src, dst, last=end >= n, num_tokens=needed,
                                   first_block=first))
         return saves
 
@@ -333,8 +336,8 @@ class KVConnectorWorker:
     def save_kv_layer(self, layer: int) -> None:
         self.pusher.save_kv_layer(layer)
 
-    def wait_for_save(self) -> None:
-        self.pusher.wait_for_save()
+    def wait_for_save(self, sampled: dict[str, int]) -> None:
+        self.pusher.wait_for_save(sampled)
 
     def get_finished(self) -> FinishedTransfers:
         if self.push_receiver is not None:

@@ -16,6 +16,7 @@ class TransferResult:
     transport: str | None = None  # None when it failed before one was agreed
     seconds: float = 0.0
     nbytes: int = 0
+    first_token_id: int | None = None  # push: the first output token P sampled, sent with the push's end
 
 
 class TransferInbox:

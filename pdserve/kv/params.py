@@ -11,8 +11,9 @@ and the connector reads the fields it needs with `require`.
                      first_token_id (the token P sampled: D decodes from it, computing no prompt token)
   pull, proxy -> D   P's answer as it came
   push, proxy -> D   do_remote_prefill, kv_mode=push, metaserver, proxy_request_id
-  push, D -> proxy   (POST metaserver) proxy_request_id, remote_request_id, remote_block_ids, ...
-  push, proxy -> P   do_remote_decode, kv_mode=push, and D's remote_* fields
+  push, D -> proxy   (POST metaserver) proxy_request_id, remote_request_id, remote_block_ids, ...,
+                     send_first_token (D decodes from P's first token: push the whole prompt)
+  push, proxy -> P   do_remote_decode, kv_mode=push, D's remote_* fields and send_first_token
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     # decodes from this token; without it D computes the last prompt token itself, a prefill row
     # (the dense weights) in a step its streams wait for.
     first_token_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # push, D -> P (D sets it on its own request when its sampling allows): push the KV of the
+    # whole prompt and end the push with the first output token P sampled, which D decodes from.
+    send_first_token: bool | None = None
     tp_size: int = 1
 
     @property
@@ -76,7 +80,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     def push_prefill(cls, announcement: KVTransferParams) -> KVTransferParams:
         """P's instructions from D's announcement: push into D's blocks at D's side channel."""
         remote = {k: v for k, v in msgspec.structs.asdict(announcement).items() if k.startswith("remote_")}
-        return cls(do_remote_decode=True, kv_mode=PUSH, **remote)
+        return cls(do_remote_decode=True, kv_mode=PUSH, send_first_token=announcement.send_first_token, **remote)
 
 
 def parse(raw: dict[str, Any] | None) -> KVTransferParams | None:
@@ -99,6 +103,12 @@ def given_first_token(params: KVTransferParams | None) -> int | None:
     if params is None or not params.do_remote_prefill or params.is_push:
         return None
     return params.first_token_id
+
+
+def moves_whole_prompt(params: KVTransferParams) -> bool:
+    """The KV of the whole prompt moves (D decodes from P's first token, pull or push); otherwise
+    all but the last prompt token's, which D computes for the logits that sample its first token."""
+    return given_first_token(params) is not None or (params.is_push and bool(params.send_first_token))
 
 
 def wants_remote_decode(params: KVTransferParams | None) -> bool:

@@ -106,6 +106,7 @@ class PushDone(msgspec.Struct, tag=True):
 
     ok: bool = True
     error: str | None = None
+    first_token_id: int | None = None  # the first output token P sampled (D decodes from it if it asked)
 
 
 class Challenge(msgspec.Struct, tag=True):

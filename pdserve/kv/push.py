@@ -5,7 +5,9 @@ written its KV, and writes that layer of every pushing request into D's blocks o
 transport: on a sender thread, so that socket writes overlap the next layers' compute, or right
 there when the transport's write is a memcpy (`copies_inline`, cheaper than a thread hand-off).
 At the end of the step `wait_for_save()` waits for the sender thread and tells D what the memcpy
-transports wrote; a request's last chunk ends its session with `PushDone`, and P frees its blocks.
+transports wrote; a request's last chunk ends its session with `PushDone`, which carries the first
+token P sampled (D decodes from it where it asked: then the whole prompt's KV was pushed), and P
+frees its blocks.
 
 D (`PushReceiver`): listens on the side channel, accepts a session only for a request it is
 waiting for, lands each layer in that request's reserved blocks, and reports the arrival (or the
@@ -129,8 +131,9 @@ class PushSender:
             else:
                 self._tasks.put((self._push_layer, spec, session, layer))
 
-    def wait_for_save(self) -> None:
-        """Wait until this step's queued layers are written, then end the sessions of finished prompts."""
+    def wait_for_save(self, sampled: dict[str, int]) -> None:
+        """Wait until this step's queued layers are written, then end the sessions of finished
+        prompts, each with the first token this step sampled for it (`sampled`, by P's request id)."""
         barrier = threading.Event()
         self._tasks.put((lambda *_: barrier.set(), None, None, None))
         barrier.wait()
@@ -140,7 +143,7 @@ class PushSender:
             if spec.last:
                 self._sessions.pop(spec.request_id, None)
                 if session.error is None:
-                    self._end(session, ok=True)
+                    self._end(session, ok=True, first_token_id=sampled.get(spec.request_id))
                     self.stats.add_sent(session.nbytes, time.perf_counter() - session.started)
         self._step = []
 
@@ -211,10 +214,10 @@ class PushSender:
         except OSError as exc:
             self._fail(spec.request_id, session, str(exc))
 
-    def _end(self, session: _Session, ok: bool, error: str | None = None) -> None:
+    def _end(self, session: _Session, ok: bool, error: str | None = None, first_token_id: int | None = None) -> None:
         try:
             if session.sock is not None:
-                send_msg(session.sock, PushDone(ok, error))
+                send_msg(session.sock, PushDone(ok, error, first_token_id))
                 if ok:
                     reply = recv_msg(session.sock)
                     if not isinstance(reply, Ack) or not reply.ok:
@@ -317,7 +320,7 @@ class PushReceiver:
             send_msg(conn, Ack(ok=False, error=claim))
             return
         transport, plan = claim
-        start, nbytes, error = time.perf_counter(), 0, None
+        start, nbytes, error, first_token = time.perf_counter(), 0, None, None
         try:
             # The accept carries our pools (shm: the pusher maps them) and our TP size (the plan).
             send_msg(conn, Ack(ok=True, pool_num_blocks=self.pool.num_blocks, shm_names=self.transports.shm_names,
@@ -326,6 +329,7 @@ class PushReceiver:
                 msg = recv_msg(conn)
                 if isinstance(msg, PushDone):
                     error = None if msg.ok else (msg.error or "push abandoned by the prefill node")
+                    first_token = msg.first_token_id
                     break
                 if not isinstance(msg, PushLayers):
                     raise ProtocolError(f"unexpected {type(msg).__name__} in a push session")
@@ -354,7 +358,7 @@ class PushReceiver:
         if error is None:
             seconds = time.perf_counter() - start
             self.stats.add_received(nbytes, seconds)
-            self.inbox.put(TransferResult(rid, None, "push", transport.name, seconds, nbytes))
+            self.inbox.put(TransferResult(rid, None, "push", transport.name, seconds, nbytes, first_token))
             send_msg(conn, Ack(ok=True))
         else:
             self.stats.add_failed()

@@ -148,10 +148,12 @@ class SimNode:
         self._news()
 
     def kv_arrived(self, job: Job) -> None:
-        """D: the KV the connector reserved blocks for has arrived (pulled, or its last layer pushed)."""
-        result = TransferResult(str(job.request_id), None, "push" if job.kv_params.is_push else "pull")
+        """D: the KV the connector reserved blocks for has arrived (pulled, or its last layer pushed,
+        with P's first token: a placeholder id, as every simulated token)."""
+        push = job.kv_params.is_push
+        result = TransferResult(str(job.request_id), None, "push" if push else "pull", first_token_id=0 if push else None)
         outputs = self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
-        self._tokens(outputs, self.sim.now)  # pull: D starts from P's first token, which the client gets now
+        self._tokens(outputs, self.sim.now)  # D starts from P's first token, which the client gets now
         self._done(outputs, self.sim.now)
         self._news()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
+import msgspec
+
 from pdserve.kv.params import KVTransferParams
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.node import Job, SimNode
@@ -148,8 +150,10 @@ class SimProxy:
         proxy (an HTTP hop), which sends the prompt to P; P pushes each layer as it is computed, so
         only the last layer's transfer follows the prefill."""
         decoder = self._select("decode", load)
-        decoder_job = self._answer_job(rid, req, tracker, prompt, on_done,
-                                       KVTransferParams.push_decode("sim", str(rid)))
+        # The simulated requests are greedy, one sequence: D asks for P's first token (as the
+        # engine's check_request would) and P pushes the whole prompt.
+        d_params = msgspec.structs.replace(KVTransferParams.push_decode("sim", str(rid)), send_first_token=True)
+        decoder_job = self._answer_job(rid, req, tracker, prompt, on_done, d_params)
         d_node, hop = self.members[decoder.url], self.sim.costs.request_hop
 
         def reserved(remote_tokens: int, announcement: KVTransferParams | None) -> None:
