@@ -164,17 +164,21 @@ def test_malformed_json_and_context_overflow(node):
 
 def test_metrics_count_what_was_served(node, client):
     before = {n: metric(node.url, n) for n in ("pdserve:request_success_total", "pdserve:generation_tokens_total",
-                                                "pdserve:prompt_tokens_total", "pdserve:time_to_first_token_seconds_count")}
+                                                "pdserve:prompt_tokens_total", "pdserve:time_to_first_token_seconds_count",
+                                                "pdserve:request_longest_gap_seconds_count")}
     stop_before = metric(node.url, "pdserve:request_success_total", 'finish_reason="length"')
     out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     assert metric(node.url, "pdserve:request_success_total", 'finish_reason="length"') == stop_before + 1
     assert metric(node.url, "pdserve:generation_tokens_total") == before["pdserve:generation_tokens_total"] + 5
     assert metric(node.url, "pdserve:prompt_tokens_total") == before["pdserve:prompt_tokens_total"] + out.usage.prompt_tokens
     assert metric(node.url, "pdserve:time_to_first_token_seconds_count") == before["pdserve:time_to_first_token_seconds_count"] + 1
+    # Its longest gap between two of its 5 tokens, one observation per request.
+    assert metric(node.url, "pdserve:request_longest_gap_seconds_count") == before["pdserve:request_longest_gap_seconds_count"] + 1
     assert metric(node.url, "pdserve:kv_blocks_total") > 0
     text = httpx.get(node.url + "/metrics").text
     for name in ("pdserve:time_per_output_token_seconds", "pdserve:inter_token_latency_seconds",
-                 "pdserve:e2e_request_latency_seconds", "pdserve:num_requests_waiting"):
+                 "pdserve:e2e_request_latency_seconds", "pdserve:num_requests_waiting",
+                 "pdserve:request_longest_gap_seconds", "pdserve:prefix_cache_hit_tokens_total"):
         assert name in text
 
 

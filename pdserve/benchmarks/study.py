@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.benchmarks import gap_views
 from pdserve.benchmarks.report import publish
 from pdserve.bench_serving import answer_tokenizer, run_benchmark
 from pdserve.platform import plan_kernels
@@ -137,9 +138,11 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
         for i, rate in enumerate(rates):
             requests = sweep_workload(workload, i, rate, seconds_per_rate, min_prompts)
             print(f"[{setup.key}] {setup.label}: {workload}, {len(requests)} requests at {rate} /s", flush=True)
+            gaps_before = gap_views.read(up.url)
             results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0, None,
                                                           seed=i, answer_ids=answer_ids))
             summary = summarize(results, duration, slos)
+            summary["longest_gap_views"] = gap_views.shares(gaps_before, gap_views.read(up.url), summary["max_itl"])
             summary["goodput_by_slos"] = {name: sum(meets(r, s) for r in results) / duration
                                           for name, s in (slo_sets or {}).items()}
             summary["request_rate"] = rate
@@ -148,6 +151,7 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
             print(f"[{setup.key}] rate {rate}: attainment {summary['slo_attainment'] * 100:.0f} %, goodput "
                   f"{summary['request_goodput']:.2f} req/s, p99 TTFT {summary['p99_ttft_ms']:.0f} ms, "
                   f"p99 TPOT {summary['p99_tpot_ms']:.0f} ms, failed {summary['failed']}", flush=True)
+            print(f"[{setup.key}] {gap_views.line(summary['longest_gap_views'])}", flush=True)
     return points
 
 

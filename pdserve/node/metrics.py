@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -26,6 +28,10 @@ class NodeMetrics:
         )
         self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between consecutive tokens", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to finish", buckets=REQUEST_BUCKETS, registry=r)
+        # What an ITL SLO bounds, as the engine emitted the tokens (the proxy's and the client's views add the relay).
+        self.longest_gap = Histogram("pdserve:request_longest_gap_seconds",
+                                     "Per request, the longest time between two of its tokens", buckets=LATENCY_BUCKETS,
+                                     registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
         self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)
@@ -78,6 +84,7 @@ class NodeMetrics:
             self.e2e.observe(m.token_times[-1] - m.arrival_time)
         if len(m.token_times) > 1:
             self.tpot.observe((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))
+            self.longest_gap.observe(max(b - a for a, b in itertools.pairwise(m.token_times)))
 
 
 class _EngineCounters(Collector):

@@ -25,6 +25,9 @@ class ProxyMetrics:
                              buckets=REQUEST_BUCKETS, registry=r)
         self.stage = Histogram("pdserve_proxy:stage_seconds", "Time per stage: queue, prefill, transfer, decode",
                                ["stage"], buckets=REQUEST_BUCKETS, registry=r)
+        self.longest_gap = Histogram("pdserve_proxy:longest_gap_seconds",
+                                     "Per streamed request, the longest time between two relayed chunks",
+                                     buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_proxy:requests", "Requests relayed to the end", registry=r)
         self.placements = Counter("pdserve_proxy:placement", "Auto mode's choices: local or remote prefill",
                                   ["choice"], registry=r)
@@ -54,6 +57,8 @@ class ProxyMetrics:
         self.requests.inc()
         if t.first_byte is not None:  # streamed answers only: a plain answer has no first token
             self.ttft.observe(t.first_byte - t.arrival)
+            if t.last_byte is not None and t.last_byte > t.first_byte:
+                self.longest_gap.observe(t.longest_gap)
             if t.placement is not None and t.predicted_ttft_s is not None:
                 self.predicted_ttft.labels(choice=t.placement).inc(t.predicted_ttft_s)
                 self.actual_ttft.labels(choice=t.placement).inc(t.first_byte - t.arrival)

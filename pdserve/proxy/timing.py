@@ -17,6 +17,7 @@ class RequestTiming:
     first_byte: float | None = None
     last_byte: float | None = None
     past_itl: bool = False  # auto under an ITL SLO: a gap between two chunks passed it (counted on its node)
+    longest_gap: float = 0.0  # streamed: the longest time between two relayed chunks after the first
     done: float | None = None
     placement: str | None = None  # auto mode: local | remote
     placement_s: float = 0.0  # auto mode: what choosing cost the proxy

@@ -215,9 +215,12 @@ class Flow(ABC):
                     now = time.perf_counter()
                     if timing.first_byte is None:
                         timing.first_byte = now
-                    elif itl_s is not None and not timing.past_itl and now - timing.last_byte > itl_s:
-                        timing.past_itl = True
-                        node.streams_past_itl += 1
+                    else:
+                        gap = now - timing.last_byte
+                        timing.longest_gap = max(timing.longest_gap, gap)
+                        if itl_s is not None and not timing.past_itl and gap > itl_s:
+                            timing.past_itl = True
+                            node.streams_past_itl += 1
                     timing.last_byte = now
                     tail = (tail + chunk)[-2:]
                     yield chunk

@@ -1,0 +1,60 @@
+"""Where a stream's longest gap arises: as the decode engines emitted the tokens, as the proxy
+relayed them, and as the client read them, over one run.
+
+An ITL SLO bounds a request's longest gap between two tokens. The engines' and the proxy's
+histograms (pdserve:request_longest_gap_seconds, pdserve_proxy:longest_gap_seconds), read before
+and after a run, give the share of requests within each bound at each hop; the client's is exact.
+Where the engine's share is high and the client's low, the gap is made between them (the relay,
+the client, their time slices); where the engine's is low too, it is the engine's steps.
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.api.histogram_buckets import LATENCY_BUCKETS
+
+BOUNDS_S = tuple(b for b in LATENCY_BUCKETS if 0.04 <= b <= 1.0)
+ENGINE = "pdserve:request_longest_gap_seconds"
+PROXY = "pdserve_proxy:longest_gap_seconds"
+
+
+def buckets(metrics_text: str, name: str) -> list[float]:
+    """The histogram's cumulative counts at BOUNDS_S, then its total count (zeros where absent)."""
+    counts = dict.fromkeys([*BOUNDS_S, float("inf")], 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name + "_bucket" and float(sample.labels["le"]) in counts:
+                counts[float(sample.labels["le"])] += sample.value
+    return list(counts.values())
+
+
+def read(url: str) -> dict[str, list[float]]:
+    """The proxy's and its nodes' (summed) longest-gap histograms, behind a pdserve proxy at url."""
+    nodes = httpx.get(url + "/v1/nodes", timeout=10).json()["nodes"]
+    engines = [buckets(httpx.get(n["url"] + "/metrics", timeout=10).text, ENGINE) for n in nodes]
+    return {"engine": [sum(col) for col in zip(*engines)], "proxy": buckets(httpx.get(url + "/metrics", timeout=10).text, PROXY)}
+
+
+def shares(before: dict[str, list[float]], after: dict[str, list[float]], client_gaps_ms: list[float]) -> dict:
+    """Per view, the share of the run's requests whose longest gap was within each bound (ms)."""
+    out = {}
+    for view in ("engine", "proxy"):
+        delta = [a - b for a, b in zip(after[view], before[view])]
+        total = delta[-1]
+        out[view] = {"requests": int(total),
+                     "within_ms": {f"{b * 1e3:.0f}": (d / total if total else None) for b, d in zip(BOUNDS_S, delta)}}
+    n = len(client_gaps_ms)
+    out["client"] = {"requests": n, "within_ms": {f"{b * 1e3:.0f}": (sum(g <= b * 1e3 for g in client_gaps_ms) / n
+                                                                     if n else None) for b in BOUNDS_S}}
+    return out
+
+
+def line(views: dict) -> str:
+    """One printed line: the share within each bound, engine / proxy / client."""
+    cells = []
+    for bound in views["client"]["within_ms"]:
+        shares_ = [views[v]["within_ms"][bound] for v in ("engine", "proxy", "client")]
+        cells.append(f"{bound} ms " + "/".join("-" if s is None else f"{s * 100:.0f}" for s in shares_))
+    return "longest gap within (engine/proxy/client %): " + ", ".join(cells)
