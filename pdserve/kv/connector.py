@@ -82,7 +82,6 @@ class ExpectSpec:
     first_block: int  # blocks before this one are D's own prefix-cache hits
     metaserver: str
     proxy_request_id: str
-
     send_first_token: bool | None = None  # D decodes from P's first token: P pushes the whole prompt
 
     def announcement(self, advertised: dict[str, Any]) -> KVTransferParams:
