@@ -142,7 +142,8 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
             results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0, None,
                                                           seed=i, answer_ids=answer_ids))
             summary = summarize(results, duration, slos)
-            summary["longest_gap_views"] = gap_views.shares(gaps_before, gap_views.read(up.url), summary["max_itl"])
+            client_gaps = [r.max_itl_ms for r in results if r.ok and r.output_len > 1]
+            summary["longest_gap_views"] = gap_views.shares(gaps_before, gap_views.read(up.url), client_gaps)
             summary["goodput_by_slos"] = {name: sum(meets(r, s) for r in results) / duration
                                           for name, s in (slo_sets or {}).items()}
             summary["request_rate"] = rate
