@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv.params import given_first_token, moves_whole_prompt, wants_remote_prefill
+from pdserve.kv.params import first_token_from_prefill, moves_whole_prompt, wants_remote_prefill
 
 if TYPE_CHECKING:
     from pdserve.kv.connector import FinishedTransfers, KVConnectorScheduler
@@ -199,7 +199,7 @@ class Scheduler:
                 continue
             req.metrics.kv_load_seconds = now - req.metrics.first_scheduled_time
             params = req.kv_transfer_params
-            first_token = result.first_token_id if params.is_push and params.send_first_token else given_first_token(params)
+            first_token = first_token_from_prefill(params, result.first_token_id)
             req.kv_transfer_params = None  # loaded (or given up): never load twice
             if req.status.finished:  # aborted while its blocks were being written: free them now
                 self.block_manager.free(req)

@@ -105,6 +105,15 @@ def given_first_token(params: KVTransferParams | None) -> int | None:
     return params.first_token_id
 
 
+def first_token_from_prefill(params: KVTransferParams, pushed: int | None) -> int | None:
+    """D: the first output token P sampled that D decodes from (None: D samples its own). Pull
+    carries it in the params P answered with; push, where D asked for it, with the push's end
+    (`pushed`)."""
+    if params.is_push:
+        return pushed if params.send_first_token else None
+    return given_first_token(params)
+
+
 def moves_whole_prompt(params: KVTransferParams) -> bool:
     """The KV of the whole prompt moves (D decodes from P's first token, pull or push); otherwise
     all but the last prompt token's, which D computes for the logits that sample its first token."""
