@@ -3,6 +3,9 @@ Python layers' bit for bit; where it cannot, the Python layers run."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -56,3 +59,41 @@ def test_the_python_layers_run_where_the_stack_cannot(smollm_dir):
         assert llm.engine.model_runner.model.decode_stack is None, kwargs
         out = llm.generate([llm.tokenizer.encode("Hello")], SamplingParams(temperature=0, max_tokens=3))
         assert len(out[0].token_ids) == 3
+
+
+class _Windows:
+    """The stack, each call's start and end recorded (perf_counter), so another thread's progress
+    inside a call can be counted."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.spans = stack, []
+
+    def forward(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.stack.forward(*args)
+        finally:
+            self.spans.append((start, time.perf_counter()))
+
+
+def test_the_fused_step_lets_other_threads_run(int4_ops, smollm_dir):
+    # A node's HTTP event loop and KV side channels share the process with its engine thread: a
+    # decode step that held the GIL stopped them for the whole step (a stream's chunks waited).
+    llm = LLM(str(smollm_dir), dtype="bfloat16", quantization="int4", kv_cache_memory_gib=0.1, max_num_seqs=16)
+    model = llm.engine.model_runner.model
+    windows = _Windows(model.decode_stack)
+    model.decode_stack = windows
+    prompts = [llm.tokenizer.encode(f"Count to {n}:") for n in range(8)]
+    done, ticks = threading.Event(), []
+    worker = threading.Thread(target=lambda: (llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                                   ignore_eos=True)), done.set()))
+    worker.start()
+    while not done.is_set():  # a Python thread that wants the GIL every millisecond
+        ticks.append(time.perf_counter())
+        time.sleep(0.001)
+    worker.join()
+    # Held, the ticker can run inside a call only once: when the call returns the GIL passes to the
+    # waiting ticker before the call's end is recorded. Released, each step (tens of ms) lets many through.
+    ticks_inside = [sum(start < t < end for t in ticks) for start, end in windows.spans]
+    assert len(ticks_inside) >= 20
+    assert sum(n >= 2 for n in ticks_inside) >= len(ticks_inside) / 2, ticks_inside
