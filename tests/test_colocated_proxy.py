@@ -32,7 +32,8 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert httpx.get(proxy.url + "/health").json()["mode"] == "colocated"
 
-        # A stream's longest gap, as the engine emitted and the proxy relayed it (benchmarks/gap_views.py).
+        # A stream's longest gap, as the engine emitted, the node sent and the proxy relayed it
+        # (benchmarks/gap_views.py).
         before = gap_views.read(proxy.url)
         stream = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}))
@@ -41,10 +42,10 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
         while (views := gap_views.shares(before, gap_views.read(proxy.url), [30.0, 70.0]))["proxy"]["requests"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        assert views["engine"]["requests"] == views["proxy"]["requests"] == 1
+        assert views["engine"]["requests"] == views["server"]["requests"] == views["proxy"]["requests"] == 1
         assert views["client"] == {"requests": 2, "within_ms": {"40": 0.5, "60": 0.5, "80": 1.0, "100": 1.0, "150": 1.0,
                                                                 "200": 1.0, "300": 1.0, "500": 1.0, "750": 1.0, "1000": 1.0}}
-        for view in ("engine", "proxy"):  # an idle node's 8 tokens: every gap well under a second
+        for view in ("engine", "server", "proxy"):  # an idle node's 8 tokens: every gap well under a second
             within = list(views[view]["within_ms"].values())
             assert within == sorted(within) and within[-1] == 1.0, (view, within)
     finally:

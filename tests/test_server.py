@@ -174,6 +174,12 @@ def test_metrics_count_what_was_served(node, client):
     assert metric(node.url, "pdserve:time_to_first_token_seconds_count") == before["pdserve:time_to_first_token_seconds_count"] + 1
     # Its longest gap between two of its 5 tokens, one observation per request.
     assert metric(node.url, "pdserve:request_longest_gap_seconds_count") == before["pdserve:request_longest_gap_seconds_count"] + 1
+    # Streamed, the same request is one observation of the gaps between the chunks the server sent.
+    streamed_before = metric(node.url, "pdserve:stream_longest_gap_seconds_count")
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert metric(node.url, "pdserve:stream_longest_gap_seconds_count") == streamed_before + 1
     assert metric(node.url, "pdserve:kv_blocks_total") > 0
     text = httpx.get(node.url + "/metrics").text
     for name in ("pdserve:time_per_output_token_seconds", "pdserve:inter_token_latency_seconds",

@@ -1,11 +1,12 @@
-"""Where a stream's longest gap arises: as the decode engines emitted the tokens, as the proxy
-relayed them, and as the client read them, over one run.
+"""Where a stream's longest gap arises: as the decode engines emitted the tokens, as the nodes'
+HTTP servers sent them, as the proxy relayed them, and as the client read them, over one run.
 
-An ITL SLO bounds a request's longest gap between two tokens. The engines' and the proxy's
-histograms (pdserve:request_longest_gap_seconds, pdserve_proxy:longest_gap_seconds), read before
-and after a run, give the share of requests within each bound at each hop; the client's is exact.
-Where the engine's share is high and the client's low, the gap is made between them (the relay,
-the client, their time slices); where the engine's is low too, it is the engine's steps.
+An ITL SLO bounds a request's longest gap between two tokens. The nodes' and the proxy's
+histograms (pdserve:request_longest_gap_seconds, pdserve:stream_longest_gap_seconds,
+pdserve_proxy:longest_gap_seconds), read before and after a run, give the share of requests within
+each bound at each hop; the client's is exact. Where the engine's share is high and a later hop's
+low, the gap is made between them (the node's event loop, the relay, their time slices); where the
+engine's is low too, it is the engine's steps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pdserve.api.histogram_buckets import LATENCY_BUCKETS
 
 BOUNDS_S = tuple(b for b in LATENCY_BUCKETS if 0.04 <= b <= 1.0)
 ENGINE = "pdserve:request_longest_gap_seconds"
+SERVER = "pdserve:stream_longest_gap_seconds"
 PROXY = "pdserve_proxy:longest_gap_seconds"
+VIEWS = ("engine", "server", "proxy", "client")
 
 
 def buckets(metrics_text: str, name: str) -> list[float]:
@@ -33,14 +36,16 @@ def buckets(metrics_text: str, name: str) -> list[float]:
 def read(url: str) -> dict[str, list[float]]:
     """The proxy's and its nodes' (summed) longest-gap histograms, behind a pdserve proxy at url."""
     nodes = httpx.get(url + "/v1/nodes", timeout=10).json()["nodes"]
-    engines = [buckets(httpx.get(n["url"] + "/metrics", timeout=10).text, ENGINE) for n in nodes]
-    return {"engine": [sum(col) for col in zip(*engines)], "proxy": buckets(httpx.get(url + "/metrics", timeout=10).text, PROXY)}
+    texts = [httpx.get(n["url"] + "/metrics", timeout=10).text for n in nodes]
+    summed = {view: [sum(col) for col in zip(*(buckets(text, name) for text in texts))]
+              for view, name in (("engine", ENGINE), ("server", SERVER))}
+    return {**summed, "proxy": buckets(httpx.get(url + "/metrics", timeout=10).text, PROXY)}
 
 
 def shares(before: dict[str, list[float]], after: dict[str, list[float]], client_gaps_ms: list[float]) -> dict:
     """Per view, the share of the run's requests whose longest gap was within each bound (ms)."""
     out = {}
-    for view in ("engine", "proxy"):
+    for view in VIEWS[:-1]:
         delta = [a - b for a, b in zip(after[view], before[view])]
         total = delta[-1]
         out[view] = {"requests": int(total),
@@ -52,9 +57,10 @@ def shares(before: dict[str, list[float]], after: dict[str, list[float]], client
 
 
 def line(views: dict) -> str:
-    """One printed line: the share within each bound, engine / proxy / client."""
+    """One printed line: the share within each bound, engine / server / proxy / client (a view an
+    older run did not record: -)."""
     cells = []
     for bound in views["client"]["within_ms"]:
-        shares_ = [views[v]["within_ms"][bound] for v in ("engine", "proxy", "client")]
+        shares_ = [views[v]["within_ms"][bound] if v in views else None for v in VIEWS]
         cells.append(f"{bound} ms " + "/".join("-" if s is None else f"{s * 100:.0f}" for s in shares_))
-    return "longest gap within (engine/proxy/client %): " + ", ".join(cells)
+    return "longest gap within (engine/server/proxy/client %): " + ", ".join(cells)

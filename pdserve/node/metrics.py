@@ -32,6 +32,9 @@ class NodeMetrics:
         self.longest_gap = Histogram("pdserve:request_longest_gap_seconds",
                                      "Per request, the longest time between two of its tokens", buckets=LATENCY_BUCKETS,
                                      registry=r)
+        self.stream_longest_gap = Histogram("pdserve:stream_longest_gap_seconds",
+                                            "Per streamed request, the longest time between two of its token chunks "
+                                            "as the HTTP server sent them", buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
         self.prefill_tokens = Counter("pdserve:prefill_tokens_computed", "Prompt tokens computed here (not cached)", registry=r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, TypeVar
@@ -310,7 +311,11 @@ class NodeServer:
                             logprobs = self._logprobs(out.logprobs[seq.reported:], chat, seq.offset)
                             seq.reported = len(out.logprobs)
                             seq.offset += sum(map(len, logprobs.get("tokens", ())))  # completions' text_offset runs on
+                        seq.sent(time.perf_counter())
                         yield sse(chunk(out.index, text, finish_reason, logprobs=logprobs, calls=calls))
+            for seq in sequences.values():
+                if seq.chunks_sent > 1:
+                    self.metrics.stream_longest_gap.observe(seq.longest_gap)
             if include_usage and sequences:
                 yield sse({**base, "choices": [], "usage": self._usage([s.last for s in sequences.values()])})
         except (EngineDeadError, ValueError) as exc:
@@ -327,6 +332,14 @@ class _Sequence:
     reported: int = 0
     offset: int = 0
     tools: ToolCallStream | None = None  # chat with tools: its text split into content and calls
+    chunks_sent: int = 0
+    last_sent: float = 0.0
+    longest_gap: float = 0.0  # between two token chunks: what an ITL SLO bounds, as this server sent them
+
+    def sent(self, at: float) -> None:
+        if self.chunks_sent:
+            self.longest_gap = max(self.longest_gap, at - self.last_sent)
+        self.chunks_sent, self.last_sent = self.chunks_sent + 1, at
 
 
 @dataclass(frozen=True)
