@@ -206,6 +206,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         from pdserve.plan.profile_cache import profile_for
 
         args.profile = str(profile_for(nodes)[0])  # cached, or measured now (it says which)
+    if args.mode == "auto" and args.nodes and args.slo and args.shape == "plan":
+        choose_auto_shape(args)
+    elif args.rate or args.workload:
+        raise ValueError("--rate / --workload describe the load auto's shape is chosen for: they need "
+                         "--mode auto --nodes N --slo ... (and --shape plan, the default)")
     if args.mode == "auto" and args.slo and args.max_prefill_tokens_while_decoding is None:
         itl_prefill_cap(args)
     if args.ray is not None:
@@ -215,6 +220,29 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         return run_up_ray(args)
     return run_up(args)
+
+
+def choose_auto_shape(args: argparse.Namespace) -> None:
+    """Auto mode at --nodes N under SLOs: the shape of N nodes the simulator finds best for the
+    workload (plan/shape.py): N kv_both nodes, or P and D nodes that auto places each request over."""
+    from pdserve.plan.profile import Profile
+    from pdserve.plan.shape import REQUESTS, pick_shape
+    from pdserve.workload import named_dataset, parse_goodput
+
+    if any(r <= 0 or r == float("inf") for r in args.rate or []):
+        raise ValueError(f"--rate {args.rate}: expected finite requests per second > 0")
+    try:
+        requests = named_dataset(args.workload or "chat", REQUESTS, seed=0)
+    except ValueError as exc:
+        raise ValueError(f"--workload: {exc}") from None
+    pick = pick_shape(Profile.load(args.profile), requests, parse_goodput(args.slo), args.nodes, args.rate)
+    logging.getLogger("pdserve").warning("auto mode, %d nodes, workload %s: runs as %s (--shape kv_both keeps %d "
+                                         "kv_both nodes)", args.nodes, args.workload or "chat", pick.describe(), args.nodes)
+    if pick.disaggregated:
+        args.prefill, args.decode = pick.units * pick.family.prefill, pick.units * pick.family.decode
+        args.nodes = None
+    elif not pick.family.chunked:
+        args.no_chunked_prefill = True
 
 
 def itl_prefill_cap(args: argparse.Namespace) -> None:
@@ -460,6 +488,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=int, default=None, metavar="N",
                     help="auto: N --role kv_both nodes: per request, a node prefills and decodes it, or one "
                          "prefills and another pulls the KV and decodes (a superset of colocated x N)")
+    up.add_argument("--shape", default="plan", choices=["plan", "kv_both"],
+                    help="auto --nodes N with --slo: plan (default): run as the shape of N nodes the simulator "
+                         "finds best for --workload under the SLOs (N kv_both nodes, or P and D nodes, e.g. 1P1D "
+                         "under an ITL SLO), then place each request within it; kv_both: always N kv_both nodes")
+    up.add_argument("--workload", default=None, metavar="NAME",
+                    help="auto --shape plan: the load to choose the shape for, one of bench's named datasets "
+                         "(chat, the default; summarize, generate, multiturn, agentic)")
+    up.add_argument("--rate", type=float, nargs="+", default=None, metavar="R",
+                    help="auto --shape plan: the expected load(s), req/s (default: a quarter, half and all of "
+                         "what the idle nodes serve one request at a time each)")
     up.add_argument("--profile", default=None, metavar="JSON",
                     help="auto: a `pdserve profile` of this machine (default: the one cached for this machine, model "
                          "and node settings, else a quick one measured at start, about 2 minutes, and cached)")

@@ -37,6 +37,9 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+SIXTH_PROFILE = Path(__file__).resolve().parent.parent / "docs/results/winmap_first_token_profile.json"
+
+
 def nodes_with_engine_info(url: str) -> list[dict]:
     """The proxy's /v1/nodes once its health poll has read every node's engine_info."""
     deadline = time.monotonic() + 10
@@ -143,6 +146,12 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
      "max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got 64 with chunked prefill off"),
     (["--max-prefill-tokens-while-decoding", "0"],
      "max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got 0"),
+    (["--rate", "0.5"], "--rate / --workload describe the load auto's shape is chosen for: they need "
+                        "--mode auto --nodes N --slo ... (and --shape plan, the default)"),
+    (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--workload", "poems", "--profile", str(SIXTH_PROFILE)],
+     "--workload: unknown workload 'poems'; choose from mixed, chat, summarize, generate, multiturn, agentic"),
+    (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--rate", "-1", "--profile", str(SIXTH_PROFILE)],
+     "--rate [-1.0]: expected finite requests per second > 0"),
 ])
 def test_placement_and_batching_flags_that_cannot_hold_stop_up_before_any_node_starts(flags, error):
     run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), *flags],
@@ -218,3 +227,24 @@ def test_up_auto_under_an_itl_slo_caps_each_nodes_prefill_while_decoding(tmp_pat
         assert up.stop(grace_s=30) == 0
     assert f"every node computes at most {cap} prompt tokens a step while streams decode" in \
         (tmp_path / "up.log").read_text()
+
+
+def test_up_auto_under_an_itl_slo_runs_as_the_shape_the_simulator_picks(tmp_path, smollm_dir):
+    """`up --mode auto --nodes 2 --slo itl:69` on the sixth look's profile: the simulator finds 1P1D
+    best for chat under that SLO (as measured), so auto starts one P and one D node, says so, and
+    places requests over them; greedy answers match the colocated engine's."""
+    up = up_child(["--mode", "auto", "--nodes", "2", "--model", str(smollm_dir), "--kv-cache-memory", "0.15",
+                   "--profile", str(SIXTH_PROFILE), "--slo", "itl:69"], log_path=str(tmp_path / "up.log"))
+    up.start()
+    try:
+        ProcessGroup().wait_ready([up], 180)
+        assert sorted(n["role"] for n in nodes_with_engine_info(up.url)) == ["decode", "prefill"]
+        body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        answers = [httpx.post(up.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+        assert all(a.status_code == 200 for a in answers), answers[0].text
+        assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+        assert "Paris" in answers[0].json()["choices"][0]["text"]
+    finally:
+        assert up.stop(grace_s=30) == 0
+    log = (tmp_path / "up.log").read_text()
+    assert "auto mode, 2 nodes, workload chat: runs as pull:1P1D" in log, log[-3000:]

@@ -7,8 +7,8 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.study import sweep_workload
-from pdserve.benchmarks.winmap import (cell, markdown, measured_map, open_entry, planner_agreement, plot, simulated_map,
-                                      slo_sets)
+from pdserve.benchmarks.winmap import (auto_shapes, cell, defaults, markdown, measured_map, open_entry,
+                                      planner_agreement, plot, simulated_map, slo_sets)
 from pdserve.workload import GENERATE, SUMMARIZE
 
 
@@ -97,3 +97,39 @@ def test_named_workloads_sweep_at_their_shapes():
     assert len(summarize) == 30 and len(generate) == 10
     assert all(SUMMARIZE[0][0] <= r.input_len <= SUMMARIZE[0][1] for r in summarize)
     assert all(GENERATE[1][0] <= r.output_len <= GENERATE[1][1] for r in generate)
+
+
+def test_add_to_defaults_to_the_earlier_maps_path_and_workloads(tmp_path):
+    """`--add-to PATH` without --out / --workloads adds to PATH, for PATH's workloads only (it once
+    wrote docs/results/winmap.json over and ran all three workloads)."""
+    import argparse
+    import json
+
+    earlier = tmp_path / "map.json"
+    earlier.write_text(json.dumps({"workloads": {"chat": {"rates": [0.5], "setups": {}}}}))
+    args = argparse.Namespace(add_to=str(earlier), out=None, workloads=None)
+    defaults(args)
+    assert (args.out, args.workloads) == (str(earlier), ["chat"])
+    fresh = argparse.Namespace(add_to=None, out=None, workloads=None)
+    defaults(fresh)
+    assert (fresh.out, fresh.workloads) == ("docs/results/winmap.json", ["chat", "summarize", "generate"])
+    given = argparse.Namespace(add_to=str(earlier), out=str(tmp_path / "new.json"), workloads=["generate"])
+    defaults(given)
+    assert (given.out, given.workloads) == (str(tmp_path / "new.json"), ["generate"])
+
+
+def test_the_map_records_the_shape_auto_ran_as():
+    """Auto's runs pick their shape as `pdserve up` does; on the sixth look's profile and SLOs, 1P1D
+    under the ITL sets and colocated under TTFT + TPOT."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent.parent / "docs/results"
+    res = json.loads((results / "winmap_nogil.json").read_text())
+    res["profile_path"] = str(results / "winmap_first_token_profile.json")
+    shapes = auto_shapes(res, "chat", {"itl", "ttft+itl", "ttft+tpot"})
+    assert shapes == {"itl": "pull:1P1D", "ttft+itl": "pull:1P1D", "ttft+tpot": "colocated:2"}
+    res["workloads"]["chat"]["auto_shapes"] = shapes
+    res["map"] = measured_map(res)
+    assert "Auto (e) ran as: chat, ttft+tpot: colocated:2; chat, ttft+itl: pull:1P1D; chat, itl: pull:1P1D." \
+        in markdown(res)

@@ -10,10 +10,12 @@ decode-heavy), each at three rates (RATES; --rates-for NAME=R1,R2,R3). Every 2-n
 for real with `pdserve up`, one core per node:
   a  colocated x2             b  colocated x2, chunked prefill (256-token steps)
   c  1P1D pull                d  1P1D push
-  e  auto over 2 kv_both nodes (per request: prefill where it decodes, or on the other node and
-     pull), with the run's profile, run once per SLO set with that set's SLOs: its placement and
-     the prefill cap an ITL SLO gives its nodes follow the SLOs the cell judges, as a deployment
-     tuned to them would (run with all three, the cap queued prompts and lost TTFT + TPOT).
+  e  auto at 2 nodes, with the run's profile, run once per SLO set with that set's SLOs and the
+     workload's name: it runs as the shape of 2 nodes the simulator picks for them (plan/shape.py:
+     2 kv_both nodes, or 1P1D; the map records which, `auto_shapes`), then places each request
+     within it (over kv_both nodes: prefill where it decodes, or on the other node and pull; over
+     1P1D: prefill on P, or on D itself). Its placement and the prefill cap an ITL SLO gives its
+     nodes follow the SLOs the cell judges, as a deployment tuned to them would.
 Each static run is judged against three SLO sets on the same requests: TTFT + TPOT, TTFT + ITL (a
 request's longest gap between two tokens) and ITL alone; each auto run against its own. The SLOs come from one idle node, as the
 study's: TTFT 2x its long-prompt TTFT, TPOT 1.5x and ITL ITL_SCALE x its decode step.
@@ -43,10 +45,11 @@ from pdserve.benchmarks.study import Setup, run_setup, study_slos, sweep_workloa
 from pdserve.config import EngineConfig
 from pdserve.plan.planner import Family, Planner, families
 from pdserve.plan.profile import Profile, ProfilePoints, run_profile
+from pdserve.plan.shape import REQUESTS, pick_shape
 from pdserve.platform import plan_kernels
-from pdserve.workload import goodput_items
+from pdserve.workload import goodput_items, named_dataset
 
-SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto, 2 kv_both nodes", ("--mode", "auto", "--nodes", "2"), "auto:2")}
+SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto at 2 nodes", ("--mode", "auto", "--nodes", "2"), "auto:2")}
 KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto"}
 RATES = {"chat": [0.5, 0.75, 1.0], "summarize": [0.2, 0.35, 0.5], "generate": [0.15, 0.3, 0.45]}
 ITL_SCALE = 4.0  # the ITL SLO over the idle decode step: room for one short prefill beside it
@@ -183,6 +186,10 @@ def markdown(res: dict) -> str:
                              f"{fmt(c['margin'])} | {fmt(c['pd_over_colocated'])} | {fmt(c['auto_over_static'])} | "
                              f"{c['noise'] * 100:.0f} % |")
     lines += ["", "Setups: " + "; ".join(f"({k}) {s.label}" for k, s in SETUPS.items()) + ".", ""]
+    shapes = [f"{workload}, {name}: {shape}" for workload, entry in res["workloads"].items()
+              for name, shape in entry.get("auto_shapes", {}).items()]
+    if shapes:
+        lines += ["Auto (e) ran as: " + "; ".join(shapes) + ".", ""]
     for n, by_workload in res.get("simulated", {}).items():
         lines.append(f"Simulated at {n} nodes (each kind's best family; goodput req/s):")
         lines.append("")
@@ -281,9 +288,27 @@ def open_entry(res: dict, workload: str, rates: list[float], runs: list[tuple[st
     return entry
 
 
+def defaults(args: argparse.Namespace) -> None:
+    """--out and --workloads where not given: an --add-to map's own path and workloads (runs added
+    to a map go into it, for its workloads), else docs/results/winmap.json and all of RATES."""
+    earlier = json.loads(Path(args.add_to).read_text())["workloads"] if args.add_to else RATES
+    args.out = args.out or args.add_to or "docs/results/winmap.json"
+    args.workloads = args.workloads or list(earlier)
+
+
+def auto_shapes(res: dict, workload: str, slo_sets: set[str]) -> dict[str, str]:
+    """The shape auto runs as under each SLO set (as `pdserve up --mode auto --nodes 2 --slo ...
+    --workload W` picks it, from the map's profile)."""
+    profile = Profile.load(res["profile_path"])
+    requests = named_dataset(workload, REQUESTS, seed=0)
+    return {name: pick_shape(profile, requests, slos, 2).setup for name, slos in res["slo_sets"].items()
+            if name in slo_sets}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(RATES), choices=["chat", "summarize", "generate"])
+    parser.add_argument("--workloads", nargs="+", default=None, choices=list(RATES),
+                        help="default: all (with --add-to: the earlier map's)")
     parser.add_argument("--rates-for", nargs="+", default=None, metavar="NAME=R1,R2,R3")
     parser.add_argument("--runs", type=int, default=2, help="runs of every measured point")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
@@ -292,7 +317,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="*", default=[2, 8, 64], help="node counts to simulate")
     parser.add_argument("--profile", default=None, help="auto mode's and the simulator's profile (default: measured)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--out", default="docs/results/winmap.json")
+    parser.add_argument("--out", default=None, help="default: docs/results/winmap.json (with --add-to: that map)")
     parser.add_argument("--from-json", default=None, metavar="PATH", help="map, plot and docs from an earlier run")
     parser.add_argument("--add-to", default=None, metavar="PATH",
                         help="run --setups again within an earlier map (its profile, SLOs and rates); their runs "
@@ -300,18 +325,22 @@ def main() -> None:
     parser.add_argument("--auto-slo-sets", nargs="+", default=None, choices=["ttft+tpot", "ttft+itl", "itl"],
                         help="the SLO sets auto runs tuned to (default: all)")
     args = parser.parse_args()
+    defaults(args)
     if args.from_json:
         finish(json.loads(Path(args.from_json).read_text()), args)
         return
     res = earlier_map(args.add_to, args) if args.add_to else fresh_map(args)
     rates = parse_rates(args.rates_for)
     sets, profile_path = res["slo_sets"], res["profile_path"]
-    auto = {name: ("--profile", profile_path, "--slo", *goodput_items(s)) for name, s in sets.items()}
     res["setups"].update({k: asdict(SETUPS[k]) for k in args.setups})
     for workload in args.workloads:
+        auto = {name: ("--profile", profile_path, "--slo", *goodput_items(s), "--workload", workload)
+                for name, s in sets.items()}
         runs = [(key, name) for key in args.setups
                 for name in (args.auto_slo_sets or sets if KINDS[key] == "auto" else ["ttft+tpot"])]
         entry = open_entry(res, workload, rates[workload], runs)
+        entry.setdefault("auto_shapes", {}).update(auto_shapes(res, workload, {name for key, name in runs
+                                                                              if KINDS[key] == "auto"}))
         for run in range(args.runs):  # the runs of a point apart in time: the host's drift shows as noise
             for key, name in runs:
                 auto_run = KINDS[key] == "auto"

@@ -1,0 +1,86 @@
+"""Auto mode's shape at exactly N nodes: colocated (N kv_both nodes) or xPyD, from the profile and SLOs.
+
+Per request, auto can only choose among the nodes it has. Over kv_both nodes every node may end
+up decoding, so a later prompt stalls someone's stream; 1P1D wins under an inter-token SLO by
+keeping one node free of streams, which no single request's price shows (docs/benchmarks.md,
+"Sixth look"). So `pdserve up --mode auto --nodes N --slo ...` first asks the simulator which
+shape of N nodes serves the workload best, then places each request within that shape:
+
+- the candidates are the planner's colocated families and its pull units x:y that divide N
+  (auto's remote prefill is a pull), each simulated at N nodes;
+- the load is the workload (`--workload`, default chat) at the rates given (`--rate`), or, without
+  one, at RATE_FRACTIONS of what N idle nodes could serve one request at a time (light to
+  saturating), summed over the rates;
+- the first candidate in the planner's order (colocated with chunked prefill, without, capped, then
+  the pull ratios) whose goodput is within `margin` of the best wins: a colocated shape keeps
+  every colocated choice (auto over kv_both nodes), so PD must beat it by more than the margin.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from pdserve.plan.planner import Family, Planner, families
+from pdserve.plan.profile import Profile
+from pdserve.workload import BenchRequest
+
+RATE_FRACTIONS = (0.25, 0.5, 1.0)
+MARGIN = 0.1
+REQUESTS = 200  # simulated per rate: 30 left a cell's pick to the sample (sixth look's planner map)
+
+
+@dataclass
+class ShapePick:
+    family: Family
+    units: int
+    rates: list[float]
+    goodput: dict[str, list[float]] = field(default_factory=dict)  # setup -> simulated goodput per rate
+
+    @property
+    def setup(self) -> str:
+        return self.family.setup(self.units)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.family.mode != "colocated"
+
+    def describe(self) -> str:
+        rows = ", ".join(f"{setup} {sum(g):.3f}" for setup, g in
+                         sorted(self.goodput.items(), key=lambda kv: -sum(kv[1])))
+        rates = ", ".join(f"{r:.3g}" for r in self.rates)
+        return f"{self.setup} ({self.family.name}); simulated goodput summed over {rates} req/s: {rows}"
+
+
+def idle_rate(profile: Profile, requests: list[BenchRequest], nodes: int) -> float:
+    """Requests per second that `nodes` idle nodes serve one at a time each: a load's scale."""
+    chunk = profile.meta.get("node", {}).get("max_num_batched_tokens", 2048)
+    seconds = statistics.mean(profile.prefill_time(r.input_len, chunk)
+                              + r.output_len * profile.decode_step_time(1, r.input_len + r.output_len // 2)
+                              for r in requests)
+    return nodes / seconds
+
+
+def candidates(profile: Profile, slos: dict[str, float], nodes: int) -> list[Family]:
+    """The colocated families and pull units that make exactly `nodes` nodes."""
+    return [f for f in families(profile, slos) if f.mode in ("colocated", "pull") and nodes % f.unit_nodes == 0]
+
+
+def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, float], nodes: int,
+               rates: list[float] | None = None, margin: float = MARGIN, seed: int = 0) -> ShapePick:
+    """The shape auto should run as at `nodes` nodes (see the module's docstring)."""
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if not slos:
+        raise ValueError("auto's shape is chosen for SLOs: give --slo, e.g. ttft:2000 itl:100")
+    rates = rates or [f * idle_rate(profile, requests, nodes) for f in RATE_FRACTIONS]
+    goodput: dict[Family, list[float]] = {}
+    for rate in rates:
+        planner = Planner(profile, requests, rate, slos, 0.9, nodes, seed)
+        for family in candidates(profile, slos, nodes):
+            summary = planner.evaluate(family, nodes // family.unit_nodes, whole=True)
+            goodput.setdefault(family, []).append(rate * summary["slo_attainment"])
+    top = max(sum(g) for g in goodput.values())
+    best = next(f for f, g in goodput.items() if (1 + margin) * sum(g) >= top)  # dicts keep the planner's order
+    return ShapePick(best, nodes // best.unit_nodes, rates,
+                     {f.setup(nodes // f.unit_nodes): g for f, g in goodput.items()})

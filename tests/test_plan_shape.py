@@ -1,0 +1,62 @@
+"""Auto mode's shape at N nodes (plan/shape.py), on the profile the sixth look's win map was measured with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.plan.profile import Profile
+from pdserve.plan.shape import REQUESTS, candidates, pick_shape
+from pdserve.workload import named_dataset
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs/results"
+
+
+@pytest.fixture(scope="module")
+def sixth_look():
+    """(profile, chat requests, the map's SLO sets, the map's measured cells)."""
+    winmap = json.loads((RESULTS / "winmap_nogil.json").read_text())
+    profile = Profile.load(RESULTS / "winmap_first_token_profile.json")
+    return profile, named_dataset("chat", REQUESTS, seed=0), winmap["slo_sets"], winmap["map"]["chat"]
+
+
+def test_the_shape_is_the_kind_that_won_the_measured_map(sixth_look):
+    """Measured at 2 nodes (docs/benchmarks.md, sixth look): colocated with chunks won every
+    TTFT + TPOT cell, 1P1D every cell with an ITL SLO. The pick at the load's default rates agrees."""
+    profile, requests, slo_sets, measured = sixth_look
+    for name, slos in slo_sets.items():
+        pick = pick_shape(profile, requests, slos, 2)
+        kinds = {"colocated" if cell["winner"] in "ab" else "PD" for cell in measured[name]}
+        assert kinds == {"PD" if pick.disaggregated else "colocated"}, (name, pick.describe())
+        assert set(pick.goodput) == {"colocated:2", "colocated:2 (no chunked prefill)", "pull:1P1D"}
+        assert len(pick.rates) == 3 and pick.rates[0] < pick.rates[1] < pick.rates[2]
+    assert pick_shape(profile, requests, slo_sets["itl"], 2).setup == "pull:1P1D"
+    assert pick_shape(profile, requests, slo_sets["ttft+tpot"], 2).setup == "colocated:2"
+
+
+def test_pd_must_beat_colocated_by_the_margin(sixth_look):
+    profile, requests, slo_sets, _ = sixth_look
+    pick = pick_shape(profile, requests, slo_sets["itl"], 2)
+    pd, colocated = sum(pick.goodput["pull:1P1D"]), sum(pick.goodput["colocated:2"])
+    assert pd > 1.1 * colocated
+    wide = pick_shape(profile, requests, slo_sets["itl"], 2, margin=pd / colocated)  # a tie within the margin
+    assert wide.setup == "colocated:2" and not wide.disaggregated
+
+
+def test_only_shapes_of_exactly_n_nodes_are_candidates(sixth_look):
+    profile, requests, slo_sets, _ = sixth_look
+    assert {f.unit_nodes for f in candidates(profile, slo_sets["itl"], 3)} == {1, 3}
+    assert all(f.mode in ("colocated", "pull") for f in candidates(profile, slo_sets["itl"], 12))
+    assert pick_shape(profile, requests, slo_sets["itl"], 1).setup == "colocated:1"
+    pick = pick_shape(profile, requests, slo_sets["itl"], 4, rates=[0.5, 1.0])
+    assert pick.rates == [0.5, 1.0] and pick.units * pick.family.unit_nodes == 4
+
+
+def test_bad_shape_questions_are_named(sixth_look):
+    profile, requests, slo_sets, _ = sixth_look
+    with pytest.raises(ValueError, match="--nodes must be >= 1"):
+        pick_shape(profile, requests, slo_sets["itl"], 0)
+    with pytest.raises(ValueError, match="give --slo"):
+        pick_shape(profile, requests, {}, 2)
