@@ -226,18 +226,17 @@ def choose_auto_shape(args: argparse.Namespace) -> None:
     """Auto mode at --nodes N under SLOs: the shape of N nodes the simulator finds best for the
     workload (plan/shape.py): N kv_both nodes, or P and D nodes that auto places each request over."""
     from pdserve.plan.profile import Profile
-    from pdserve.plan.shape import REQUESTS, pick_shape
-    from pdserve.workload import named_dataset, parse_goodput
+    from pdserve.plan.shape import shape_for
+    from pdserve.workload import DATASETS, parse_goodput
 
     if any(r <= 0 or r == float("inf") for r in args.rate or []):
         raise ValueError(f"--rate {args.rate}: expected finite requests per second > 0")
-    try:
-        requests = named_dataset(args.workload or "chat", REQUESTS, seed=0)
-    except ValueError as exc:
-        raise ValueError(f"--workload: {exc}") from None
-    pick = pick_shape(Profile.load(args.profile), requests, parse_goodput(args.slo), args.nodes, args.rate)
+    workload = args.workload or "chat"
+    if workload not in DATASETS[1:]:
+        raise ValueError(f"--workload {workload!r}: choose from {', '.join(DATASETS[1:])}")
+    pick = shape_for(Profile.load(args.profile), workload, parse_goodput(args.slo), args.nodes, args.rate)
     logging.getLogger("pdserve").warning("auto mode, %d nodes, workload %s: runs as %s (--shape kv_both keeps %d "
-                                         "kv_both nodes)", args.nodes, args.workload or "chat", pick.describe(), args.nodes)
+                                         "kv_both nodes)", args.nodes, workload, pick.describe(), args.nodes)
     if pick.disaggregated:
         args.prefill, args.decode = pick.units * pick.family.prefill, pick.units * pick.family.decode
         args.nodes = None

@@ -149,7 +149,7 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
     (["--rate", "0.5"], "--rate / --workload describe the load auto's shape is chosen for: they need "
                         "--mode auto --nodes N --slo ... (and --shape plan, the default)"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--workload", "poems", "--profile", str(SIXTH_PROFILE)],
-     "--workload: unknown workload 'poems'; choose from mixed, chat, summarize, generate, multiturn, agentic"),
+     "--workload 'poems': choose from mixed, chat, summarize, generate, multiturn, agentic"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--rate", "-1", "--profile", str(SIXTH_PROFILE)],
      "--rate [-1.0]: expected finite requests per second > 0"),
 ])

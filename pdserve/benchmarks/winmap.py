@@ -45,9 +45,9 @@ from pdserve.benchmarks.study import Setup, run_setup, study_slos, sweep_workloa
 from pdserve.config import EngineConfig
 from pdserve.plan.planner import Family, Planner, families
 from pdserve.plan.profile import Profile, ProfilePoints, run_profile
-from pdserve.plan.shape import REQUESTS, pick_shape
+from pdserve.plan.shape import shape_for
 from pdserve.platform import plan_kernels
-from pdserve.workload import goodput_items, named_dataset
+from pdserve.workload import goodput_items
 
 SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto at 2 nodes", ("--mode", "auto", "--nodes", "2"), "auto:2")}
 KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto"}
@@ -114,29 +114,35 @@ def measured_map(res: dict) -> dict:
     return out
 
 
-def kind_families(profile: Profile, slos: dict[str, float]) -> dict[str, list[Family]]:
+def kind_families(profile: Profile, slos: dict[str, float], auto_shape: Family | None = None) -> dict[str, list[Family]]:
+    """The planner's families by kind; auto's as it runs when its shape is `auto_shape`
+    (plan/shape.py): over P and D nodes when that is PD, else over kv_both nodes."""
     kinds: dict[str, list[Family]] = {"colocated": [], "PD": [], "auto": []}
     for family in families(profile, slos):
         kinds["auto" if family.mode == "auto" else "colocated" if family.mode == "colocated" else "PD"].append(family)
+    if auto_shape is not None and auto_shape.mode != "colocated":
+        kinds["auto"] = [Family("auto", auto_shape.prefill, auto_shape.decode)]
     return kinds
 
 
 def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: int) -> dict:
     """{N: {workload: {slo set: [{kind: (best family's setup, goodput)} per rate]}}}: each kind's
-    best family at N nodes (units that divide N), at the measured rate x N / 2."""
+    best family at N nodes (units that divide N), at the measured rate x N / 2; auto in the shape
+    `pdserve up --mode auto --nodes N` picks for the workload and SLOs."""
     out: dict = {}
     for n in nodes:
         out[str(n)] = {}
         for workload, entry in res["workloads"].items():
             out[str(n)][workload] = {}
             for name, slos in res["slo_sets"].items():
+                shape = shape_for(profile, workload, slos, n).family
                 cells = []
                 for i, rate in enumerate(entry["rates"]):
                     scaled = rate * n / 2
                     requests = sweep_workload(workload, i, scaled, res["seconds_per_rate"], min_prompts * n // 2)
                     planner = Planner(profile, requests, scaled, slos, 0.9, n)
                     best = {}
-                    for kind, fams in kind_families(profile, slos).items():
+                    for kind, fams in kind_families(profile, slos, shape).items():
                         tried = [(f.setup(n // f.unit_nodes), scaled * planner.evaluate(f, n // f.unit_nodes,
                                                                                        whole=True)["slo_attainment"])
                                  for f in fams if n % f.unit_nodes == 0]
@@ -168,7 +174,7 @@ def planner_agreement(res: dict, nodes: str = "2", near: float = 0.05) -> dict:
     return {"cells": cells, "matched": matched, "near": close, "near_share": near}
 
 
-def markdown(res: dict) -> str:
+def markdown(res: dict, png: str = "winmap.png") -> str:
     lines = [f"Command: `python -m pdserve.benchmarks.winmap --workloads {' '.join(res['workloads'])} --runs "
              f"{res['runs']} --min-prompts {res['min_prompts']}` ({res['date']}, {res['cpu']}, {res['dtype']}). "
              f"SLOs from the idle node: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, TPOT {res['slos_ms']['tpot_ms']:.1f} ms, "
@@ -203,7 +209,7 @@ def markdown(res: dict) -> str:
         lines += [f"The planner's pick at 2 nodes (the simulator's best kind) is the measured winner's kind in "
                   f"{agree['matched']} of {agree['cells']} cells, and measures within {agree['near_share']:.0%} "
                   f"of the winner in {agree['near']}.", ""]
-    lines.append("![win map](results/winmap.png)")
+    lines.append(f"![win map](results/{png})")
     return "\n".join(lines)
 
 
@@ -240,7 +246,8 @@ def finish(res: dict, args) -> None:
         res["simulated"] = simulated_map(profile, res, args.nodes, res["min_prompts"])
     out = Path(args.out)
     plot(res, out.with_suffix(".png"))
-    publish(res, str(out), "winmap", "Where disaggregation pays: the win map (2 nodes measured)", markdown(res))
+    publish(res, str(out), "winmap", "Where disaggregation pays: the win map (2 nodes measured)",
+            markdown(res, out.with_suffix(".png").name))
 
 
 def parse_rates(items: list[str] | None) -> dict[str, list[float]]:
@@ -300,8 +307,7 @@ def auto_shapes(res: dict, workload: str, slo_sets: set[str]) -> dict[str, str]:
     """The shape auto runs as under each SLO set (as `pdserve up --mode auto --nodes 2 --slo ...
     --workload W` picks it, from the map's profile)."""
     profile = Profile.load(res["profile_path"])
-    requests = named_dataset(workload, REQUESTS, seed=0)
-    return {name: pick_shape(profile, requests, slos, 2).setup for name, slos in res["slo_sets"].items()
+    return {name: shape_for(profile, workload, slos, 2).setup for name, slos in res["slo_sets"].items()
             if name in slo_sets}
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pdserve.plan.planner import Family, Planner, families
 from pdserve.plan.profile import Profile
-from pdserve.workload import BenchRequest
+from pdserve.workload import BenchRequest, named_dataset
 
 RATE_FRACTIONS = (0.25, 0.5, 1.0)
 MARGIN = 0.1
@@ -84,3 +84,10 @@ def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, f
     best = next(f for f, g in goodput.items() if (1 + margin) * sum(g) >= top)  # dicts keep the planner's order
     return ShapePick(best, nodes // best.unit_nodes, rates,
                      {f.setup(nodes // f.unit_nodes): g for f, g in goodput.items()})
+
+
+def shape_for(profile: Profile, workload: str, slos: dict[str, float], nodes: int,
+              rates: list[float] | None = None) -> ShapePick:
+    """pick_shape for one of bench's named workloads (REQUESTS of it, seeded): as `pdserve up
+    --mode auto --nodes N --workload NAME` picks."""
+    return pick_shape(profile, named_dataset(workload, REQUESTS, seed=0), slos, nodes, rates)
