@@ -310,6 +310,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = Profile.load(args.profile, model=args.model)
     slos = parse_goodput(args.goodput)
+    if args.nodes is not None:
+        return plan_shape(args, profile, slos)
     planner = Planner(profile, requests_from_args(args), args.rate, slos, args.attainment, args.max_nodes, args.seed)
     result = planner.plan()
     result.update({"profile": args.profile, "dataset": args.dataset, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -317,6 +319,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if result["pick"] else 1
+
+
+def plan_shape(args: argparse.Namespace, profile, slos: dict[str, float]) -> int:
+    """`pdserve plan --nodes N`: each shape of N nodes simulated at --rate, and the one auto runs as."""
+    import json
+    from pathlib import Path
+
+    from pdserve.plan.shape import MARGIN, pick_shape
+    from pdserve.workload import requests_from_args
+
+    if not 1 <= args.nodes <= 1000:
+        raise ValueError(f"--nodes {args.nodes}: expected 1 to 1000")
+    if not args.rate > 0 or args.rate == float("inf"):
+        raise ValueError(f"--rate {args.rate}: expected a finite number of requests per second > 0")
+    pick = pick_shape(profile, requests_from_args(args), slos, args.nodes, [args.rate])
+    print(f"{args.nodes} nodes at {args.rate:g} req/s, {' '.join(args.goodput)} (profile {args.profile}):")
+    for setup, (goodput,) in sorted(pick.goodput.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {setup:34s} goodput {goodput:.3f} req/s ({goodput / args.rate * 100:.1f} % meet the SLOs)")
+    print(f"run as {pick.setup} ({pick.family.name}): " + ("disaggregate" if pick.disaggregated else
+          f"do not disaggregate (PD must beat the best colocated shape by {MARGIN:.0%})"))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"nodes": args.nodes, "rate": args.rate, "slos_ms": slos,
+                                              "pick": pick.setup, "disaggregated": pick.disaggregated,
+                                              "goodput": {k: v[0] for k, v in pick.goodput.items()}}, indent=1))
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -485,8 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", default="pull", choices=pd_flows,
                     help="auto: per request, prefill on a P node or on the node that decodes (priced by --profile)")
     up.add_argument("--nodes", type=int, default=None, metavar="N",
-                    help="auto: N --role kv_both nodes: per request, a node prefills and decodes it, or one "
-                         "prefills and another pulls the KV and decodes (a superset of colocated x N)")
+                    help="auto: N nodes. With --slo, in the shape of N nodes --shape picks (P and D nodes, or "
+                         "kv_both ones); else N --role kv_both nodes: per request, a node prefills and decodes it, "
+                         "or one prefills and another pulls the KV and decodes (a superset of colocated x N)")
     up.add_argument("--shape", default="plan", choices=["plan", "kv_both"],
                     help="auto --nodes N with --slo: plan (default): run as the shape of N nodes the simulator "
                          "finds best for --workload under the SLOs (N kv_both nodes, or P and D nodes, e.g. 1P1D "
@@ -572,6 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SLOs, e.g. ttft:2000 tpot:60 (itl:MS too)")
     plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
     plan.add_argument("--max-nodes", type=int, default=64, help="the largest cluster to consider (up to 1000)")
+    plan.add_argument("--nodes", type=int, default=None, metavar="N",
+                      help="instead: the best shape of exactly N nodes at --rate (colocated or P:D, as "
+                           "`pdserve up --mode auto --nodes N` picks it): should these N nodes disaggregate?")
     add_dataset_args(plan, num_prompts=2000)
     plan.set_defaults(dataset="mixed")
     plan.add_argument("--out", default=None, help="write every setup's figures as JSON here")

@@ -19,24 +19,33 @@ def int4_ops(ops):
     return ops
 
 
+class _Recorded:
+    """The real stack, each call's rows and its start and end (perf_counter) recorded: how the
+    decodes were batched, and whether another thread ran inside a call."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.rows, self.spans = stack, [], []
+
+    def forward(self, *args):
+        self.rows.append(args[0].shape[0])
+        start = time.perf_counter()
+        try:
+            return self.stack.forward(*args)
+        finally:
+            self.spans.append((start, time.perf_counter()))
+
+
 def _generate(llm: LLM, fused: bool, prompts: list[list[int]]):
     model = llm.engine.model_runner.model
     stack = model.decode_stack
-    calls = []
-    if not fused:
-        model.decode_stack = None
-    else:
-        class Counting:  # the real stack, its calls counted
-            def forward(self, *args):
-                calls.append(args[0].shape[0])
-                return stack.forward(*args)
-        model.decode_stack = Counting()
+    recorded = _Recorded(stack)
+    model.decode_stack = recorded if fused else None
     try:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
         outs = llm.generate(prompts, params)
     finally:
         model.decode_stack = stack
-    return [(o.token_ids, o.logprobs) for o in outs], calls
+    return [(o.token_ids, o.logprobs) for o in outs], recorded.rows
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -61,27 +70,12 @@ def test_the_python_layers_run_where_the_stack_cannot(smollm_dir):
         assert len(out[0].token_ids) == 3
 
 
-class _Windows:
-    """The stack, each call's start and end recorded (perf_counter), so another thread's progress
-    inside a call can be counted."""
-
-    def __init__(self, stack) -> None:
-        self.stack, self.spans = stack, []
-
-    def forward(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.stack.forward(*args)
-        finally:
-            self.spans.append((start, time.perf_counter()))
-
-
 def test_the_fused_step_lets_other_threads_run(int4_ops, smollm_dir):
     # A node's HTTP event loop and KV side channels share the process with its engine thread: a
     # decode step that held the GIL stopped them for the whole step (a stream's chunks waited).
     llm = LLM(str(smollm_dir), dtype="bfloat16", quantization="int4", kv_cache_memory_gib=0.1, max_num_seqs=16)
     model = llm.engine.model_runner.model
-    windows = _Windows(model.decode_stack)
+    windows = _Recorded(model.decode_stack)
     model.decode_stack = windows
     prompts = [llm.tokenizer.encode(f"Count to {n}:") for n in range(8)]
     done, ticks = threading.Event(), []

@@ -60,3 +60,25 @@ def test_bad_shape_questions_are_named(sixth_look):
         pick_shape(profile, requests, slo_sets["itl"], 0)
     with pytest.raises(ValueError, match="give --slo"):
         pick_shape(profile, requests, {}, 2)
+
+
+def test_plan_nodes_answers_whether_n_nodes_should_disaggregate(tmp_path):
+    """`pdserve plan --nodes 2`: every shape of 2 nodes at the rate, and the one auto runs as."""
+    import subprocess
+    import sys
+
+    def plan(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdserve.cli", "plan", "--profile",
+                               str(RESULTS / "winmap_first_token_profile.json"), "--dataset", "chat", "--rate", "0.5",
+                               "--num-prompts", "200", *flags], capture_output=True, text=True, timeout=120)
+
+    itl = plan("--goodput", "itl:69", "--nodes", "2", "--out", str(tmp_path / "shape.json"))
+    assert itl.returncode == 0, itl.stderr
+    assert itl.stdout.strip().splitlines()[-1] == "run as pull:1P1D (pull 1P:1D): disaggregate"
+    answer = json.loads((tmp_path / "shape.json").read_text())
+    assert answer["pick"] == "pull:1P1D" and answer["disaggregated"] is True
+    assert answer["goodput"]["pull:1P1D"] > 1.1 * answer["goodput"]["colocated:2"]
+    tpot = plan("--goodput", "ttft:18000", "tpot:25.8", "--nodes", "2")
+    assert "run as colocated:2 (colocated): do not disaggregate" in tpot.stdout, tpot.stdout
+    bad = plan("--goodput", "itl:69", "--nodes", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "pdserve: error: --nodes 0: expected 1 to 1000"

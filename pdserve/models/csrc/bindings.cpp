@@ -3,11 +3,6 @@
 #include "amx.h"
 #include "kernels.h"
 
-// Every kernel runs without the GIL, as torch's own ops do: a node's engine steps on one thread
-// while its HTTP event loop and KV side channels run on others, and a step held under the GIL
-// (DecodeStack: the whole decode step) would stop them all until it ends.
-using without_gil = py::call_guard<py::gil_scoped_release>;
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("out"),

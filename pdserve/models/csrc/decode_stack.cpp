@@ -125,6 +125,6 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::ScalarType>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, without_gil());
 }
 #endif  // __AVX512BF16__

@@ -3,6 +3,11 @@
 
 #include <torch/extension.h>
 
+// Every kernel is bound without the GIL, as torch's own ops are: a node's engine steps on one
+// thread while its HTTP event loop and KV side channels run on others, and a step held under the
+// GIL (DecodeStack: the whole decode step) would stop them all until it ends.
+using without_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
                             int64_t window);
