@@ -23,8 +23,8 @@ study's: TTFT 2x its long-prompt TTFT, TPOT 1.5x and ITL ITL_SCALE x its decode 
 A cell (workload, SLO set, rate) names the setup of most goodput (mean over --runs runs), its
 margin over the best setup of another kind (colocated: a, b; PD: c, d; auto: e), PD's best over
 colocated's best and auto over the best static setup, with the runs' spread as the noise. The
-simulated map (--nodes) prices the same cells at N nodes with the planner's families of each kind
-at rate x N / 2 (the profile's costs).
+simulated map (--nodes) prices the same cells at N nodes with the planner's families of each kind,
+each as the whole N-node cluster at rate x N / 2 (the profile's costs).
 
 Writes docs/results/winmap.json (every run's summary), winmap.png (one heatmap per SLO set) and
 the section `winmap` of docs/benchmarks.md.
@@ -43,9 +43,10 @@ from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
 from pdserve.benchmarks.study import Setup, run_setup, study_slos, sweep_workload
 from pdserve.config import EngineConfig
-from pdserve.plan.planner import Family, Planner, families
+from pdserve.plan.planner import Family, families
 from pdserve.plan.profile import Profile, ProfilePoints, run_profile
-from pdserve.plan.shape import shape_for
+from pdserve.plan.shape import shape_for, whole_cluster
+from pdserve.plan.sim import simulate
 from pdserve.platform import plan_kernels
 from pdserve.workload import goodput_items
 
@@ -127,8 +128,9 @@ def kind_families(profile: Profile, slos: dict[str, float], auto_shape: Family |
 
 def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: int) -> dict:
     """{N: {workload: {slo set: [{kind: (best family's setup, goodput)} per rate]}}}: each kind's
-    best family at N nodes (units that divide N), at the measured rate x N / 2; auto in the shape
-    `pdserve up --mode auto --nodes N` picks for the workload and SLOs."""
+    best family at N nodes (units that divide N), the whole cluster simulated (plan/shape.py's
+    whole_cluster) at the measured rate x N / 2; auto in the shape `pdserve up --mode auto --nodes
+    N` picks for the workload and SLOs."""
     out: dict = {}
     for n in nodes:
         out[str(n)] = {}
@@ -140,11 +142,11 @@ def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: in
                 for i, rate in enumerate(entry["rates"]):
                     scaled = rate * n / 2
                     requests = sweep_workload(workload, i, scaled, res["seconds_per_rate"], min_prompts * n // 2)
-                    planner = Planner(profile, requests, scaled, slos, 0.9, n)
                     best = {}
                     for kind, fams in kind_families(profile, slos, shape).items():
-                        tried = [(f.setup(n // f.unit_nodes), scaled * planner.evaluate(f, n // f.unit_nodes,
-                                                                                       whole=True)["slo_attainment"])
+                        tried = [(f.setup(n // f.unit_nodes), scaled * simulate(
+                                    profile, whole_cluster(f, n), requests, scaled, 1.0, 0, slos,
+                                    chunked_prefill=f.chunked, itls=False, prefill_cap=f.prefill_cap)["slo_attainment"])
                                  for f in fams if n % f.unit_nodes == 0]
                         if tried:
                             best[kind] = max(tried, key=lambda t: t[1])
