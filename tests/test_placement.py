@@ -109,6 +109,27 @@ def test_with_slos_a_request_waits_behind_a_long_prefill_rather_than_overfill_a_
     assert slo_aware.misses(view.local(a), view, 128) == 4 and slo_aware.misses(view.local(b), view, 128) == 0
 
 
+def test_requests_still_prefilling_on_p_count_in_their_decode_nodes_batch(tmp_path):
+    """Two D nodes, both idle, and three requests placed on D1 that P is still prefilling: they are
+    not D1's streams yet, but they will be, so the next request goes to D2 (blind to them, every
+    request placed while P works chose D1: at 64 nodes in the simulator that cost auto 0.89 -> 0.29
+    of requests within TTFT + TPOT)."""
+    p, d1, d2 = Node("http://p:1", "prefill"), Node("http://d1:1", "decode"), Node("http://d2:1", "decode")
+    d1.active_requests = d2.active_requests = 1  # a stream each: a long prompt goes to P
+    prompt = list(range(400))
+    slos = {"ttft_ms": 10_000, "tpot_ms": 45}
+    first = placer(tmp_path, [p, d1, d2], slos=slos).place(prompt, [p], [d1, d2], output_tokens=128)
+    assert (first.choice, first.decoder) == ("remote", d1)  # a tie: the first
+    for _ in range(3):
+        d1.reserve(528)
+    assert d1.coming_requests == 4 and d1.active_requests == 1
+    choice = placer(tmp_path, [p, d1, d2], slos=slos).place(prompt, [p], [d1, d2], output_tokens=128)
+    assert choice.decoder is d2
+    for _ in range(3):
+        d1.unreserve(528)
+    assert (d1.reserved_requests, d1.reserved_tokens) == (0, 0)
+
+
 def test_an_itl_slo_sends_a_stalling_prefill_to_p_where_tpot_would_absorb_it(tmp_path):
     """D holds 2 streams (a step of 30.3 ms). Prefilling 1000 tokens there stalls each for about a
     second (chunks of 512: 0.522 + 0.498 s): within a TPOT SLO of 60 ms, spread over 128 tokens, but

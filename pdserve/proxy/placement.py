@@ -157,7 +157,7 @@ class CostRule(PlacementRule):
         placer = self.placer
         best = min(placer.options(view, prefillers, decoders),
                    key=lambda o: (placer.misses(o, view, output_tokens), o.score(placer.stall_weight),
-                                  o.decoder.active_requests))
+                                  o.decoder.coming_requests))
         if not placer.slos:
             return best
         static = self.static.place(view, prefillers, decoders, output_tokens)  # its rotation moves every request
@@ -268,8 +268,9 @@ class Placer:
         ttft_slo, tpot_slo = self.slos.get("ttft_ms", inf) / 1e3, self.slos.get("tpot_ms", inf) / 1e3
         itl_slo = self.slos.get("max_itl_ms", inf) / 1e3  # a stream's longest gap: the stall lands whole in one
         streams, speed = d.active_requests, d.speed.decode
-        before = costs.step_s(streams, d.active_tokens) * speed
-        after = costs.step_s(streams + 1, d.active_tokens + view.tokens + output_tokens) * speed
+        coming, coming_tokens = d.coming_requests, d.active_tokens + d.reserved_tokens  # its batch, placed ones in
+        before = costs.step_s(coming, coming_tokens) * speed
+        after = costs.step_s(coming + 1, coming_tokens + view.tokens + output_tokens) * speed
         misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo or after > itl_slo)
         stall = option.stall_s / streams if streams else 0.0  # each stream's (stall_s sums them)
         misses += self.streams_missing(d, before, after + stall / output_tokens, after + stall)

@@ -26,6 +26,24 @@ class Node:
     # auto mode under an ITL SLO: streams on it whose longest gap so far passed the SLO (a stall there
     # cannot make them miss it again)
     streams_past_itl: int = 0
+    # auto mode: requests placed here to decode that are still prefilling on another node: not yet
+    # streams (no stall of theirs), but they join its batch, and a choice blind to them sends every
+    # request placed while they prefill to the same decode node
+    reserved_requests: int = 0
+    reserved_tokens: int = 0
+
+    def reserve(self, tokens: int) -> None:
+        self.reserved_requests += 1
+        self.reserved_tokens += tokens
+
+    def unreserve(self, tokens: int) -> None:
+        self.reserved_requests -= 1
+        self.reserved_tokens -= tokens
+
+    @property
+    def coming_requests(self) -> int:
+        """Its streams once the requests placed here have arrived."""
+        return self.active_requests + self.reserved_requests
 
     def record_check(self, ok: bool, max_failures: int) -> None:
         """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""
@@ -65,7 +83,8 @@ class LeastLoaded:
     kv_weight_tokens: int = 4096  # a full KV pool counts as this many in-flight tokens
 
     def choose(self, nodes: list[Node], tokens: int) -> Node:
-        return min(nodes, key=lambda n: (n.active_tokens + self.kv_weight_tokens * n.kv_usage, n.active_requests))
+        return min(nodes, key=lambda n: (n.active_tokens + n.reserved_tokens + self.kv_weight_tokens * n.kv_usage,
+                                          n.coming_requests))
 
 
 # --policy: a new policy is a class with `choose(nodes, tokens)` plus one entry (or POLICIES.register).

@@ -130,6 +130,8 @@ class SimProxy:
         prefill_job = Job(rid, req.input_len, 1, None, lambda t: None, prompt.hashes, KVTransferParams.pull_prefill())
 
         def prefilled(t: float) -> None:
+            if decoder is not None:  # placed at arrival: from here its load counts as asked
+                decoder.unreserve(load)
             target = decoder or self._select("decode", load)
             decoder_job = self._answer_job(rid, req, tracker, prompt, on_done, prefill_job.answer_params)
 
@@ -195,6 +197,7 @@ class SimProxy:
         if placement.prefiller is None:
             self._ask(placement.decoder, self._answer_job(rid, req, tracker, prompt, on_done), load)
         else:
+            placement.decoder.reserve(load)  # in its batch to come while P prefills (as AutoFlow does)
             self._pull(rid, req, tracker, prompt, placement.prefiller, placement.decoder, load, on_done)
 
     def transfer_time(self, nbytes: float) -> float:

@@ -86,7 +86,11 @@ class AutoFlow(Flow):
                 if prefiller is not None and prompt_only(req.body):
                     decoder, prefiller = prefiller, None  # the scoring call: P computes and reports it, alone
                 if prefiller is not None:
-                    body = {**req.body, "kv_transfer_params": await self.prefill_for_pull(prefiller, req)}
+                    decoder.reserve(req.tokens)  # in D's batch to come while P prefills (Node.reserved_requests)
+                    try:
+                        body = {**req.body, "kv_transfer_params": await self.prefill_for_pull(prefiller, req)}
+                    finally:
+                        decoder.unreserve(req.tokens)
                 response = await self.answer(decoder, self.ask(decoder, req, body), req)
                 (prefiller or decoder).speed.observe_prefill(timing.prefill_s, placement.prefill_profile_s)
                 return response
