@@ -30,6 +30,7 @@ from pdserve.proxy.prefix_index import PrefixIndex
 from pdserve.proxy.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
+SSE_END = b"data: [DONE]\n\n"  # how every SSE stream of the nodes ends
 T = TypeVar("T")
 
 # Fields that only make sense for the streamed answer, not for P's one-token prefill request.
@@ -222,17 +223,20 @@ class Flow(ABC):
                             timing.past_itl = True
                             node.streams_past_itl += 1
                     timing.last_byte = now
-                    tail = (tail + chunk)[-2:]
+                    tail = (tail + chunk)[-len(SSE_END):]
                     yield chunk
             except httpx.HTTPError as exc:
                 ok = False
                 logger.warning("%s node %s failed mid-stream: %r", node.role, node.url, exc)
                 event = upstream_error(502, f"{node.role} node {node.url} failed mid-stream: {exc or type(exc).__name__}")
-                yield (b"" if tail in (b"", b"\n\n") else b"\n\n") + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                yield (b"" if not tail or tail.endswith(b"\n\n") else b"\n\n") + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
                 return
             timing.done = time.perf_counter()
             self.metrics.observe(timing)
         finally:
+            if timing.done is None and tail == SSE_END:  # relayed to its end, then the client hung up first
+                timing.done = timing.last_byte
+                self.metrics.observe(timing)
             await response.aclose()
             node.end(req.tokens, ok)
             node.streams_past_itl -= timing.past_itl
