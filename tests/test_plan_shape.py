@@ -56,8 +56,13 @@ def test_only_shapes_of_exactly_n_nodes_are_candidates(sixth_look):
 
 def test_bad_shape_questions_are_named(sixth_look):
     profile, requests, slo_sets, _ = sixth_look
-    with pytest.raises(ValueError, match="--nodes must be >= 1"):
+    with pytest.raises(ValueError, match="--nodes 0: expected 1 to 1000"):
         pick_shape(profile, requests, slo_sets["itl"], 0)
+    with pytest.raises(ValueError, match="--nodes 1001: expected 1 to 1000"):
+        pick_shape(profile, requests, slo_sets["itl"], 1001)
+    for rate in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="expected a finite number of requests per second > 0"):
+            pick_shape(profile, requests, slo_sets["itl"], 2, rates=[0.5, rate])
     with pytest.raises(ValueError, match="give --slo"):
         pick_shape(profile, requests, {}, 2)
 

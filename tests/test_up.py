@@ -151,7 +151,7 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--workload", "poems", "--profile", str(SIXTH_PROFILE)],
      "--workload 'poems': choose from mixed, chat, summarize, generate, multiturn, agentic"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--rate", "-1", "--profile", str(SIXTH_PROFILE)],
-     "--rate [-1.0]: expected finite requests per second > 0"),
+     "--rate -1: expected a finite number of requests per second > 0"),
 ])
 def test_placement_and_batching_flags_that_cannot_hold_stop_up_before_any_node_starts(flags, error):
     run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), *flags],

@@ -32,6 +32,16 @@ RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 3), (1, 4), (1, 6))
 MAX_NODES = 1000
 
 
+def check_rate(rate: float) -> None:
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError(f"--rate {rate:g}: expected a finite number of requests per second > 0")
+
+
+def check_nodes(nodes: int, flag: str = "--nodes") -> None:
+    if not 1 <= nodes <= MAX_NODES:
+        raise ValueError(f"{flag} {nodes}: expected 1 to {MAX_NODES}")
+
+
 @dataclass(frozen=True)
 class Family:
     """A unit that a cluster repeats: `prefill` P and `decode` D nodes, or `decode` colocated (or,
@@ -117,10 +127,8 @@ class Planner:
             raise ValueError("--goodput: give the SLOs to plan for, e.g. ttft:2000 tpot:60")
         if not 0 < attainment <= 1:
             raise ValueError(f"--attainment {attainment}: expected a fraction in (0, 1], e.g. 0.9")
-        if not 1 <= max_nodes <= MAX_NODES:
-            raise ValueError(f"--max-nodes {max_nodes}: expected 1 to {MAX_NODES}")
-        if not rate > 0 or rate == float("inf"):
-            raise ValueError(f"--rate {rate}: expected a finite number of requests per second > 0")
+        check_nodes(max_nodes, "--max-nodes")
+        check_rate(rate)
         self.profile, self.requests, self.rate, self.slos = profile, requests, rate, slos
         self.attainment, self.max_nodes, self.seed = attainment, max_nodes, seed
         self.simulated_requests = 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from pdserve.plan.planner import Family, families
+from pdserve.plan.planner import Family, check_nodes, check_rate, families
 from pdserve.plan.profile import Profile
 from pdserve.plan.sim import Setup, simulate
 from pdserve.workload import BenchRequest, named_dataset
@@ -80,8 +80,9 @@ def whole_cluster(family: Family, nodes: int) -> Setup:
 def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, float], nodes: int,
                rates: list[float] | None = None, margin: float = MARGIN, seed: int = 0) -> ShapePick:
     """The shape auto should run as at `nodes` nodes (see the module's docstring)."""
-    if nodes < 1:
-        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    check_nodes(nodes)
+    for rate in rates or []:
+        check_rate(rate)
     if not slos:
         raise ValueError("auto's shape is chosen for SLOs: give --slo, e.g. ttft:2000 itl:100")
     rates = rates or [f * idle_rate(profile, requests, nodes) for f in RATE_FRACTIONS]
