@@ -48,6 +48,15 @@ PREFILL_CAP_HELP = ("while streams decode, a step computes at most N prompt toke
                     "bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
 
 
+def add_role_args(parser: argparse.ArgumentParser) -> None:
+    """Settings that P and D nodes take apart (`pdserve up`, and `pdserve simulate` to price them)."""
+    parser.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",
+                        help="P nodes' token budget per step (default: --max-num-batched-tokens)")
+    parser.add_argument("--decode-max-num-seqs", type=int, default=None, metavar="N",
+                        help="D nodes' most requests in a step (default: pdserve serve's --max-num-seqs, 64): "
+                             "fewer streams make a shorter decode step")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_dtype_arg(parser)
@@ -211,6 +220,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     elif args.rate or args.workload:
         raise ValueError("--rate / --workload describe the load auto's shape is chosen for: they need "
                          "--mode auto --nodes N --slo ... (and --shape plan, the default)")
+    from pdserve.plan.sim.setup import check_role_settings
+
+    check_role_settings(args.prefill_max_num_batched_tokens, args.decode_max_num_seqs,
+                        not args.colocated and not args.nodes,
+                        f"--colocated {args.colocated}" if args.colocated else f"--nodes {args.nodes} (kv_both nodes)")
     if args.mode == "auto" and args.slo and args.max_prefill_tokens_while_decoding is None:
         itl_prefill_cap(args)
     if args.ray is not None:
@@ -238,6 +252,9 @@ def choose_auto_shape(args: argparse.Namespace) -> None:
     if pick.disaggregated:
         args.prefill, args.decode = pick.units * pick.family.prefill, pick.units * pick.family.decode
         args.nodes = None
+        # The shape's per-role settings, where the command line gives none.
+        args.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or pick.family.prefill_budget
+        args.decode_max_num_seqs = args.decode_max_num_seqs or pick.family.decode_max_seqs
     elif not pick.family.chunked:
         args.no_chunked_prefill = True
 
@@ -341,12 +358,15 @@ def plan_shape(args: argparse.Namespace, profile, slos: dict[str, float]) -> int
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from pdserve.bench_serving import publish_run
     from pdserve.plan.profile import Profile
     from pdserve.plan.sim import Setup, simulate
     from pdserve.workload import workload_from_args
 
-    setup = Setup.parse(args.setup)
+    setup = replace(Setup.parse(args.setup), prefill_budget=args.prefill_max_num_batched_tokens,
+                    decode_max_seqs=args.decode_max_num_seqs)
     profile = Profile.load(args.profile)
     slos, rate, requests = workload_from_args(args)
     summary = simulate(profile, setup, requests, rate, args.burstiness, args.seed, slos,
@@ -527,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--colocated", type=int, default=0, metavar="N",
                     help="instead of P/D: N colocated (--role both) nodes behind the proxy")
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_role_args(up)
     up.add_argument("--no-chunked-prefill", action="store_true")
     up.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                     help=PREFILL_CAP_HELP)
@@ -570,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--kv-transport", default="shm", choices=list(TRANSPORTS))
     simulate.add_argument("--max-num-batched-tokens", type=int, default=None,
                           help="every node's token budget per step (default: the profiled node's)")
+    add_role_args(simulate)
     simulate.add_argument("--no-chunked-prefill", action="store_true", help="a prompt is prefilled in one step")
     simulate.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                           help="every node's cap on prompt tokens per step while streams decode (pdserve serve's)")

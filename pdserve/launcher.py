@@ -49,9 +49,6 @@ def node_tp(args, role: str) -> int:
     return {"prefill": args.prefill_tp, "decode": args.decode_tp}.get(role, 1)
 
 
-def tp_flags(args, role: str) -> list[str]:
-    tp = node_tp(args, role)
-    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
 
 
 def check_node_tp(args) -> None:
@@ -68,17 +65,22 @@ def check_node_tp(args) -> None:
             raise ValueError(f"{flag} {tp}: {exc}") from None
 
 
-def node_command(args, model: str | None) -> list[str]:
-    """Every node's `pdserve serve` options from `pdserve up`'s (role, address and threads apart);
-    model None: each node resolves the embedded one."""
+def node_command(args, model: str | None, role: str) -> list[str]:
+    """A `role` node's `pdserve serve` options from `pdserve up`'s (address and threads apart): TP
+    size and the per-role settings by role; model None: each node resolves the embedded one."""
     from pdserve.models.locate import default_model_name
 
+    budget = (args.prefill_max_num_batched_tokens if role == "prefill" else None) or args.max_num_batched_tokens
     command = ["--model", model] if model else []
     command += ["--served-model-name", default_model_name(args.model), "--dtype", args.dtype,
                "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
                "--kv-cache-memory", str(args.kv_cache_memory),
                "--kv-transport", args.kv_transport, "--log-level", args.log_level,
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+               "--max-num-batched-tokens", str(budget)]
+    if node_tp(args, role) > 1:
+        command += ["--tensor-parallel-size", str(node_tp(args, role))]
+    if role == "decode" and args.decode_max_num_seqs:
+        command += ["--max-num-seqs", str(args.decode_max_num_seqs)]
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.no_chunked_prefill:
@@ -142,7 +144,7 @@ def run_up(args) -> int:
     cores = [None] * len(roles) if tp else plan_cores(len(roles))
     nodes = [
         Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *(["--threads", "1"] if core is not None else []),
-                                           *tp_flags(args, role), *node_command(args, model_dir)], core, role)
+                                           *node_command(args, model_dir, role)], core, role)
         for i, (role, core) in enumerate(zip(roles, cores))
     ]
     cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it

@@ -55,7 +55,7 @@ def test_the_flag_reaches_every_node_and_bad_values_are_refused():
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"])
     assert args.kv_cache_dtype == "bfloat16"
     up = build_parser().parse_args(["up", "--kv-cache-dtype", "bfloat16"])
-    command = node_command(up, None)
+    command = node_command(up, None, "decode")
     assert command[command.index("--kv-cache-dtype") + 1] == "bfloat16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])

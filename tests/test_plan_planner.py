@@ -53,6 +53,18 @@ def test_under_an_itl_slo_the_planner_also_tries_colocated_nodes_with_a_prefill_
     assert capped[0]["meets"] and capped[0]["nodes"] < plain["nodes"]
 
 
+def test_the_planner_tunes_each_pd_familys_per_role_settings():
+    """Known costs: a D step grows 5 ms a stream, so under a 100 ms ITL a D that takes at most 8
+    streams keeps every gap within it where 64 do not; the tuned family needs fewer nodes than
+    any family with the nodes' own settings, and the pick names the flag `pdserve up` takes."""
+    result = Planner(known_profile(), requests(300), 4.0, {"ttft_ms": 5000.0, "max_itl_ms": 100.0}, 0.9, 16).plan()
+    untuned = [r for r in result["setups"] if r["meets"] and "--decode-max-num-seqs" not in r["setup"]]
+    assert result["pick"]["setup"].endswith("(--decode-max-num-seqs 8)"), result["pick"]
+    assert result["pick"]["family"].endswith(", D at most 8 streams")
+    assert result["pick"]["nodes"] < min(r["nodes"] for r in untuned)
+    assert all(r["meets"] for r in result["setups"] if "--decode-max-num-seqs" in r["setup"])
+
+
 def test_a_unit_with_thinned_arrivals_predicts_the_whole_round_robin_cluster():
     reqs, rate, units = requests(1200), 8.0, 4
     whole = simulate(known_profile(), Setup.parse(f"pull:{units}P{2 * units}D"), reqs, rate, 1.0, 0, SLOS, itls=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.plan.profile import Profile
-from pdserve.plan.shape import REQUESTS, candidates, pick_shape
+from pdserve.plan.shape import REQUESTS, ROLE_MARGIN, candidates, pick_shape
 from pdserve.workload import named_dataset
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs/results"
@@ -30,10 +30,26 @@ def test_the_shape_is_the_kind_that_won_the_measured_map(sixth_look):
         pick = pick_shape(profile, requests, slos, 2)
         kinds = {"colocated" if cell["winner"] in "ab" else "PD" for cell in measured[name]}
         assert kinds == {"PD" if pick.disaggregated else "colocated"}, (name, pick.describe())
-        assert set(pick.goodput) == {"colocated:2", "colocated:2 (no chunked prefill)", "pull:1P1D"}
+        shapes = {"colocated:2", "colocated:2 (no chunked prefill)", "pull:1P1D"}
+        # a P/D pick's per-role variants are simulated too, a colocated pick's none
+        tuned = {f"pull:1P1D ({f})" for f in ("--prefill-max-num-batched-tokens 512", "--decode-max-num-seqs 4",
+                                              "--decode-max-num-seqs 8", "--decode-max-num-seqs 16")}
+        assert set(pick.goodput) == (shapes | tuned if pick.disaggregated else shapes)
         assert len(pick.rates) == 3 and pick.rates[0] < pick.rates[1] < pick.rates[2]
-    assert pick_shape(profile, requests, slo_sets["itl"], 2).setup == "pull:1P1D"
+    assert pick_shape(profile, requests, slo_sets["itl"], 2).setup.startswith("pull:1P1D")
     assert pick_shape(profile, requests, slo_sets["ttft+tpot"], 2).setup == "colocated:2"
+
+
+def test_a_pd_shape_takes_a_per_role_setting_only_where_it_gains_the_role_margin(sixth_look):
+    """Under the ITL SLO the simulator finds a D of at most 8 streams better than the node's own 64
+    (a shorter step); the pick takes the best variant, and keeps the node's own settings where no
+    variant gains ROLE_MARGIN."""
+    profile, requests, slo_sets, _ = sixth_look
+    pick = pick_shape(profile, requests, slo_sets["itl"], 2)
+    best = max((s for s in pick.goodput if s.startswith("pull:1P1D")), key=lambda s: sum(pick.goodput[s]))
+    assert pick.setup == best != "pull:1P1D" and pick.family.decode_max_seqs is not None
+    assert sum(pick.goodput[best]) > (1 + ROLE_MARGIN) * sum(pick.goodput["pull:1P1D"])
+    assert f"--decode-max-num-seqs {pick.family.decode_max_seqs}" in pick.setup
 
 
 def test_pd_must_beat_colocated_by_the_margin(sixth_look):
@@ -79,9 +95,10 @@ def test_plan_nodes_answers_whether_n_nodes_should_disaggregate(tmp_path):
 
     itl = plan("--goodput", "itl:69", "--nodes", "2", "--out", str(tmp_path / "shape.json"))
     assert itl.returncode == 0, itl.stderr
-    assert itl.stdout.strip().splitlines()[-1] == "run as pull:1P1D (pull 1P:1D): disaggregate"
+    assert itl.stdout.strip().splitlines()[-1] == ("run as pull:1P1D (--decode-max-num-seqs 8) "
+                                                   "(pull 1P:1D, D at most 8 streams): disaggregate")
     answer = json.loads((tmp_path / "shape.json").read_text())
-    assert answer["pick"] == "pull:1P1D" and answer["disaggregated"] is True
+    assert answer["pick"] == "pull:1P1D (--decode-max-num-seqs 8)" and answer["disaggregated"] is True
     assert answer["goodput"]["pull:1P1D"] > 1.1 * answer["goodput"]["colocated:2"]
     tpot = plan("--goodput", "ttft:18000", "tpot:25.8", "--nodes", "2")
     assert "run as colocated:2 (colocated): do not disaggregate" in tpot.stdout, tpot.stdout

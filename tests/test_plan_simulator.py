@@ -427,3 +427,28 @@ def test_a_prefill_cap_while_decoding_bounds_a_streams_longest_gap_to_one_small_
     assert capped["max_prefill_tokens_while_decoding"] == 64 and capped["completed"] == 2
     with pytest.raises(ValueError, match="needs chunked prefill"):
         run("colocated:1", requests, prefill_cap=64, chunked_prefill=False)
+
+
+def test_per_role_settings_set_p_nodes_budget_and_d_nodes_streams():
+    """`--decode-max-num-seqs 1`: D decodes one stream at a time, every step the cost of one
+    sequence (20 + 5 ms + KV), the second request waiting for the first's 19 steps; two streams
+    share 30 ms steps. `--prefill-max-num-batched-tokens 256`: P prefills 1000 tokens in four chunks
+    instead of two, two more chunk overheads of 10 ms."""
+    two = [BenchRequest([0], 100, 20), BenchRequest([0], 100, 20)]
+
+    def on(setup: Setup, requests) -> dict:
+        return simulate(known_profile(), setup, requests, float("inf"), 1.0, 0, {"ttft_ms": 1000})
+
+    shared, alone = on(Setup("pull", 1, 1), two), on(Setup("pull", 1, 1, decode_max_seqs=1), two)
+    assert max(max(gaps) for gaps in alone["itls"]) < 0.027 < max(max(gaps) for gaps in shared["itls"])
+    assert alone["ttfts"][1] >= alone["ttfts"][0] + 19 * 0.026 > shared["ttfts"][1]  # after the first's last step
+    long = [BenchRequest([0], 1000, 2)]
+    small = on(Setup("pull", 1, 1, prefill_budget=256), long)
+    assert small["ttfts"][0] == pytest.approx(on(Setup("pull", 1, 1), long)["ttfts"][0] + 0.020)
+    assert small["prefill_max_num_batched_tokens"] == 256 and alone["decode_max_num_seqs"] == 1
+    assert Setup("pull", 1, 1, 256, 8).role_flags == "--prefill-max-num-batched-tokens 256 --decode-max-num-seqs 8"
+    with pytest.raises(ValueError, match="--decode-max-num-seqs sets P and D nodes by role; colocated:2 has none"):
+        Setup("colocated", 0, 2, decode_max_seqs=4)
+    with pytest.raises(ValueError, match="--prefill-max-num-batched-tokens must be >= 1, got 0"):
+        Setup("pull", 1, 1, prefill_budget=0)
+

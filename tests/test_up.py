@@ -16,6 +16,10 @@ import httpx
 import pytest
 from servers import free_port
 
+from pdserve.cli import build_parser
+from pdserve.launcher import node_command
+from pdserve.plan.profile import Profile
+from pdserve.plan.shape import shape_for
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
 from pdserve.procinfo import alive
 from pdserve.procs import ProcessGroup, up_child
@@ -138,6 +142,13 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
     assert "starting" not in run.stdout
 
 
+def test_per_role_settings_reach_only_their_role():
+    up = build_parser().parse_args(["up", "--prefill-max-num-batched-tokens", "512", "--decode-max-num-seqs", "8"])
+    p, d = node_command(up, None, "prefill"), node_command(up, None, "decode")
+    assert p[p.index("--max-num-batched-tokens") + 1] == "512" and "--max-num-seqs" not in p
+    assert d[d.index("--max-num-batched-tokens") + 1] == "2048" and d[d.index("--max-num-seqs") + 1] == "8"
+
+
 @pytest.mark.parametrize("flags, error", [
     (["--ray-placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),
     (["--placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),  # issue 17's spelling
@@ -150,6 +161,9 @@ def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts()
                         "--mode auto --nodes N --slo ... (and --shape plan, the default)"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--workload", "poems", "--profile", str(SIXTH_PROFILE)],
      "--workload 'poems': choose from mixed, chat, summarize, generate, multiturn, agentic"),
+    (["--colocated", "2", "--decode-max-num-seqs", "4"],
+     "--decode-max-num-seqs sets P and D nodes by role; --colocated 2 has none"),
+    (["--prefill-max-num-batched-tokens", "0"], "--prefill-max-num-batched-tokens must be >= 1, got 0"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--rate", "-1", "--profile", str(SIXTH_PROFILE)],
      "--rate -1: expected a finite number of requests per second > 0"),
 ])
@@ -235,10 +249,16 @@ def test_up_auto_under_an_itl_slo_runs_as_the_shape_the_simulator_picks(tmp_path
     places requests over them; greedy answers match the colocated engine's."""
     up = up_child(["--mode", "auto", "--nodes", "2", "--model", str(smollm_dir), "--kv-cache-memory", "0.15",
                    "--profile", str(SIXTH_PROFILE), "--slo", "itl:69"], log_path=str(tmp_path / "up.log"))
+    pick = shape_for(Profile.load(SIXTH_PROFILE), "chat", {"max_itl_ms": 69.0}, 2)
     up.start()
     try:
         ProcessGroup().wait_ready([up], 180)
-        assert sorted(n["role"] for n in nodes_with_engine_info(up.url)) == ["decode", "prefill"]
+        engines = {n["role"]: n["engine"] for n in nodes_with_engine_info(up.url)}
+        assert sorted(engines) == ["decode", "prefill"]
+        # with the shape's per-role settings (D's most streams, P's token budget), each on its own role
+        assert engines["decode"]["max_num_seqs"] == str(pick.family.decode_max_seqs or 64)
+        assert engines["prefill"]["max_num_batched_tokens"] == str(pick.family.prefill_budget or 2048)
+        assert engines["prefill"]["max_num_seqs"] == "64" and engines["decode"]["max_num_batched_tokens"] == "2048"
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
         answers = [httpx.post(up.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
         assert all(a.status_code == 200 for a in answers), answers[0].text

@@ -43,7 +43,8 @@ def test_the_measured_map_report_and_plot_from_runs(tmp_path):
     assert cells[2]["pd_over_colocated"] == pytest.approx(3.0)
     assert set(res["slo_sets"]["itl"]) == {"max_itl_ms"}
     text = markdown(res)
-    assert "| summarize | itl | 0.4 | 0.03 | – | 0.09 | – | – | (c) PD | 3.00x | 3.00x | – | 0 % |" in text
+    assert "| workload | SLOs | rate | a | c | winner | margin |" in text  # the setups this map ran
+    assert "| summarize | itl | 0.4 | 0.03 | 0.09 | (c) PD | 3.00x | 3.00x | – | 0 % |" in text
     plot(res, tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 10_000
     # Auto runs once per SLO set: a cell judges only the auto run tuned to its own set.
@@ -124,7 +125,7 @@ def test_add_to_defaults_to_the_earlier_maps_path_and_workloads(tmp_path):
 
 def test_the_map_records_the_shape_auto_ran_as():
     """Auto's runs pick their shape as `pdserve up` does; on the sixth look's profile and SLOs, 1P1D
-    under the ITL sets and colocated under TTFT + TPOT."""
+    with D at most 8 streams under the ITL sets and colocated under TTFT + TPOT."""
     import json
     from pathlib import Path
 
@@ -132,8 +133,9 @@ def test_the_map_records_the_shape_auto_ran_as():
     res = json.loads((results / "winmap_nogil.json").read_text())
     res["profile_path"] = str(results / "winmap_first_token_profile.json")
     shapes = auto_shapes(res, "chat", {"itl", "ttft+itl", "ttft+tpot"})
-    assert shapes == {"itl": "pull:1P1D", "ttft+itl": "pull:1P1D", "ttft+tpot": "colocated:2"}
+    tuned = "pull:1P1D (--decode-max-num-seqs 8)"
+    assert shapes == {"itl": tuned, "ttft+itl": tuned, "ttft+tpot": "colocated:2"}
     res["workloads"]["chat"]["auto_shapes"] = shapes
     res["map"] = measured_map(res)
-    assert "Auto (e) ran as: chat, ttft+tpot: colocated:2; chat, ttft+itl: pull:1P1D; chat, itl: pull:1P1D." \
+    assert f"Auto (e) ran as: chat, ttft+tpot: colocated:2; chat, ttft+itl: {tuned}; chat, itl: {tuned}." \
         in markdown(res)

@@ -10,6 +10,7 @@ decode-heavy), each at three rates (RATES; --rates-for NAME=R1,R2,R3). Every 2-n
 for real with `pdserve up`, one core per node:
   a  colocated x2             b  colocated x2, chunked prefill (256-token steps)
   c  1P1D pull                d  1P1D push
+  f  1P1D pull, D at most 8 streams (the planner's per-role pick for chat under an ITL SLO)
   e  auto at 2 nodes, with the run's profile, run once per SLO set with that set's SLOs and the
      workload's name: it runs as the shape of 2 nodes the simulator picks for them (plan/shape.py:
      2 kv_both nodes, or 1P1D; the map records which, `auto_shapes`), then places each request
@@ -50,8 +51,11 @@ from pdserve.plan.sim import simulate
 from pdserve.platform import plan_kernels
 from pdserve.workload import goodput_items
 
-SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto at 2 nodes", ("--mode", "auto", "--nodes", "2"), "auto:2")}
-KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto"}
+SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto at 2 nodes", ("--mode", "auto", "--nodes", "2"), "auto:2"),
+          # the planner's per-role pick for chat under an ITL SLO on the shipped profile (`pdserve plan --nodes 2`)
+          "f": Setup("f", "1P1D pull, D at most 8 streams", ("--mode", "pull", "--decode-max-num-seqs", "8"),
+                     "pull:1P1D")}
+KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto", "f": "PD"}
 RATES = {"chat": [0.5, 0.75, 1.0], "summarize": [0.2, 0.35, 0.5], "generate": [0.15, 0.3, 0.45]}
 ITL_SCALE = 4.0  # the ITL SLO over the idle decode step: room for one short prefill beside it
 
@@ -122,7 +126,8 @@ def kind_families(profile: Profile, slos: dict[str, float], auto_shape: Family |
     for family in families(profile, slos):
         kinds["auto" if family.mode == "auto" else "colocated" if family.mode == "colocated" else "PD"].append(family)
     if auto_shape is not None and auto_shape.mode != "colocated":
-        kinds["auto"] = [Family("auto", auto_shape.prefill, auto_shape.decode)]
+        kinds["auto"] = [Family("auto", auto_shape.prefill, auto_shape.decode, prefill_budget=auto_shape.prefill_budget,
+                                decode_max_seqs=auto_shape.decode_max_seqs)]
     return kinds
 
 
@@ -177,23 +182,25 @@ def planner_agreement(res: dict, nodes: str = "2", near: float = 0.05) -> dict:
 
 
 def markdown(res: dict, png: str = "winmap.png") -> str:
+    ran = {k for by_slo in res["map"].values() for cells in by_slo.values() for c in cells for k in c["goodput"]}
+    columns = [k for k in SETUPS if k in ran]  # the setups this map ran
     lines = [f"Command: `python -m pdserve.benchmarks.winmap --workloads {' '.join(res['workloads'])} --runs "
              f"{res['runs']} --min-prompts {res['min_prompts']}` ({res['date']}, {res['cpu']}, {res['dtype']}). "
              f"SLOs from the idle node: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, TPOT {res['slos_ms']['tpot_ms']:.1f} ms, "
              f"ITL (longest gap) {res['slos_ms']['max_itl_ms']:.0f} ms. Goodput in requests/s, mean of "
              f"{res['runs']} runs; noise = the largest spread of one setup's runs over its mean.", "",
-             "| workload | SLOs | rate | a | b | c | d | e | winner | margin | PD / colocated | auto / best static "
-             "| noise |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| workload | SLOs | rate | {' | '.join(columns)} | winner | margin | PD / colocated | auto / best static "
+             "| noise |", "|---" * (len(columns) + 8) + "|"]
     fmt = lambda x: "–" if x is None else f"{x:.2f}x"  # noqa: E731
     for workload, by_slo in res["map"].items():
         rates = res["workloads"][workload]["rates"]
         for name, cells in by_slo.items():
             for rate, c in zip(rates, cells):
-                g = " | ".join(f"{c['goodput'][k]:.2f}" if k in c["goodput"] else "–" for k in SETUPS)
+                g = " | ".join(f"{c['goodput'][k]:.2f}" if k in c["goodput"] else "–" for k in columns)
                 lines.append(f"| {workload} | {name} | {rate:g} | {g} | ({c['winner']}) {c['kind']} | "
                              f"{fmt(c['margin'])} | {fmt(c['pd_over_colocated'])} | {fmt(c['auto_over_static'])} | "
                              f"{c['noise'] * 100:.0f} % |")
-    lines += ["", "Setups: " + "; ".join(f"({k}) {s.label}" for k, s in SETUPS.items()) + ".", ""]
+    lines += ["", "Setups: " + "; ".join(f"({k}) {SETUPS[k].label}" for k in columns) + ".", ""]
     shapes = [f"{workload}, {name}: {shape}" for workload, entry in res["workloads"].items()
               for name, shape in entry.get("auto_shapes", {}).items()]
     if shapes:

@@ -294,7 +294,9 @@ class LLMEngine:
                 "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower(),
-                "max_prefill_tokens_while_decoding": str(self.config.max_prefill_tokens_while_decoding or "budget")}
+                "max_prefill_tokens_while_decoding": str(self.config.max_prefill_tokens_while_decoding or "budget"),
+                "max_num_seqs": str(self.config.max_num_seqs),
+                "max_num_batched_tokens": str(self.scheduler.max_num_batched_tokens)}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""

@@ -6,7 +6,8 @@
 Setups are families of a unit repeated k times: colocated nodes (with or without chunked
 prefill; under an ITL SLO also with a prefill cap while decoding that fits it, prefill_cap_for),
 pull or push units of x P and y D nodes for the P:D ratios of RATIOS, and auto over pairs of
-kv_both nodes (per request: prefill where it decodes, or on the other node and pull). For each
+kv_both nodes (per request: prefill where it decodes, or on the other node and pull); then each
+P/D family again with per-role settings (P's token budget, D's most streams: role_variants). For each
 family the planner finds the smallest k whose simulated SLO attainment reaches the target
 (attainment grows with k), by bisection between 1 and --max-nodes. A bisection step stops its
 simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
@@ -22,7 +23,7 @@ choice across units (round robin is what the unit sees).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.plan.profile import Profile
 from pdserve.plan.sim import Setup, simulate
@@ -30,6 +31,11 @@ from pdserve.workload import BenchRequest
 
 RATIOS = ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 3), (1, 4), (1, 6))
 MAX_NODES = 1000
+# Per-role settings tried on each P/D family, one at a time: P's token budget per step (the
+# node's own is the profile's, 2048 by default) and D's most streams (64): a D that takes fewer
+# streams decodes each faster (a step grows with its batch), at the cost of queueing the rest.
+PREFILL_BUDGETS = (512,)
+DECODE_MAX_SEQS = (4, 8, 16)
 
 
 def check_rate(rate: float) -> None:
@@ -52,10 +58,16 @@ class Family:
     decode: int
     chunked: bool = True
     prefill_cap: int | None = None  # colocated: --max-prefill-tokens-while-decoding
+    prefill_budget: int | None = None  # P/D: P nodes' --max-num-batched-tokens (None: the node's own)
+    decode_max_seqs: int | None = None  # P/D: D nodes' --max-num-seqs (None: the node's own)
 
     @property
     def unit_nodes(self) -> int:
         return self.prefill + self.decode
+
+    def cluster(self, units: int) -> Setup:
+        """`units` of this family as the simulator's Setup."""
+        return Setup(self.mode, units * self.prefill, units * self.decode, self.prefill_budget, self.decode_max_seqs)
 
     def setup(self, units: int) -> str:
         """The whole cluster, as `pdserve simulate --setup` and `pdserve up` name it."""
@@ -64,7 +76,8 @@ class Family:
             return f"colocated:{units * self.decode}" + ("" if self.chunked else " (no chunked prefill)") + cap
         if self.mode == "auto" and not self.prefill:
             return f"auto:{units * self.decode}{cap}"
-        return f"{self.mode}:{units * self.prefill}P{units * self.decode}D"
+        roles = self.cluster(units).role_flags
+        return f"{self.mode}:{units * self.prefill}P{units * self.decode}D" + (f" ({roles})" if roles else "")
 
     @property
     def name(self) -> str:
@@ -73,7 +86,17 @@ class Family:
             return f"auto, {self.decode} kv_both nodes a unit{cap}"
         if self.mode == "colocated":
             return "colocated" + ("" if self.chunked else ", no chunked prefill") + cap
-        return f"{self.mode} {self.prefill}P:{self.decode}D"
+        roles = (f", P budget {self.prefill_budget}" if self.prefill_budget else "") + \
+            (f", D at most {self.decode_max_seqs} streams" if self.decode_max_seqs else "")
+        return f"{self.mode} {self.prefill}P:{self.decode}D{roles}"
+
+
+def role_variants(family: Family) -> list[Family]:
+    """A P/D family with each per-role setting of PREFILL_BUDGETS and DECODE_MAX_SEQS tried alone."""
+    if not family.prefill:
+        return []
+    return ([replace(family, prefill_budget=b) for b in PREFILL_BUDGETS]
+            + [replace(family, decode_max_seqs=m) for m in DECODE_MAX_SEQS])
 
 
 def families(profile: Profile | None = None, slos: dict[str, float] | None = None) -> list[Family]:
@@ -137,16 +160,16 @@ class Planner:
         """One unit's summary when the cluster has `units` of them (see the module's docstring).
         Unless `whole`, a run that cannot reach the attainment any more stops there (its summary
         then holds only an upper bound of it: the bisection needs no more)."""
-        setup = Setup(family.mode, family.prefill, family.decode)
-        summary = simulate(self.profile, setup, self.requests, self.rate / units, float(units), self.seed, self.slos,
+        summary = simulate(self.profile, family.cluster(1), self.requests, self.rate / units, float(units), self.seed, self.slos,
                            chunked_prefill=family.chunked, itls=False, prefill_cap=family.prefill_cap,
                            give_up_below=None if whole else self.attainment)
         self.simulated_requests += summary["simulated_requests"]
         return summary
 
-    def smallest(self, family: Family) -> Choice | None:
-        """The family's smallest passing size; a failing Choice at the largest size; None if no unit fits."""
-        top = self.max_nodes // family.unit_nodes
+    def smallest(self, family: Family, max_nodes: int | None = None) -> Choice | None:
+        """The family's smallest passing size of at most `max_nodes` (default: the planner's); a
+        failing Choice at the largest size; None if no unit fits."""
+        top = (max_nodes or self.max_nodes) // family.unit_nodes
         if top < 1:
             return None
         summary = self.evaluate(family, top, whole=True)  # reported even when it fails
@@ -162,14 +185,38 @@ class Planner:
                 lo = mid + 1
         return Choice(family, hi, True, best)
 
+    def tuned(self, choices: list[Choice]) -> list[Choice]:
+        """Each P/D family's best per-role variant (role_variants) where it beats the family with
+        the node's own settings: fewer nodes, or as many and more requests within the SLOs. Only
+        sizes up to the best choice so far are searched (a larger cluster cannot be the pick), and
+        only families within twice its size are tuned (beyond, a setting would have to halve the
+        family to win). Where nothing passes, nothing is tuned: the report names the closest setup."""
+        passing = [c for c in choices if c.meets]
+        if not passing:
+            return []
+        bound = min(passing, key=rank).nodes
+        out = []
+        for base in (c for c in choices if c.family.prefill and c.nodes <= 2 * bound):
+            variants = [c for c in (self.smallest(f, bound) for f in role_variants(base.family)) if c is not None and c.meets]
+            best = min(variants, key=rank, default=None)
+            if best is not None and rank(best) < rank(base):
+                out.append(best)
+        return out
+
     def plan(self) -> dict:
         start = time.perf_counter()
         choices = [c for c in (self.smallest(f) for f in families(self.profile, self.slos)) if c is not None]
-        passing = sorted((c for c in choices if c.meets), key=lambda c: (c.nodes, -c.summary["slo_attainment"]))
+        choices += self.tuned(choices)
+        passing = sorted((c for c in choices if c.meets), key=rank)
         return {"rate": self.rate, "slos_ms": self.slos, "attainment": self.attainment, "max_nodes": self.max_nodes,
                 "num_prompts": len(self.requests), "pick": row(passing[0], self.rate) if passing else None,
                 "setups": [row(c, self.rate) for c in sorted(choices, key=lambda c: (not c.meets, c.nodes))],
                 "simulated_requests": self.simulated_requests, "seconds": time.perf_counter() - start}
+
+
+def rank(choice: Choice) -> tuple:
+    """Better choices first: passing, then fewer nodes, then more of the requests within the SLOs."""
+    return (not choice.meets, choice.nodes, -choice.summary["slo_attainment"])
 
 
 def row(choice: Choice, rate: float) -> dict:
@@ -185,11 +232,11 @@ def report(result: dict, profile_path: str) -> str:
     lines = [f"plan for {result['rate']:g} req/s, {slos}, attainment >= {result['attainment'] * 100:g} %, "
              f"at most {result['max_nodes']} nodes (profile {profile_path}; {result['simulated_requests']:,} "
              f"requests simulated in {result['seconds']:.1f} s)", "",
-             f"{'setup':32s} {'nodes':>5s} {'attain':>7s} {'goodput/node':>12s} {'p50 TTFT':>9s} {'p99 TTFT':>9s} "
+             f"{'setup':40s} {'nodes':>5s} {'attain':>7s} {'goodput/node':>12s} {'p50 TTFT':>9s} {'p99 TTFT':>9s} "
              f"{'p50 TPOT':>9s} {'p99 TPOT':>9s}"]
     for r in result["setups"]:
         mark = "" if r["meets"] else "  (misses the SLOs even at this size)"
-        lines.append(f"{r['setup']:32s} {r['nodes']:5d} {r['slo_attainment'] * 100:6.1f}% {r['goodput_per_node']:12.3f} "
+        lines.append(f"{r['setup']:40s} {r['nodes']:5d} {r['slo_attainment'] * 100:6.1f}% {r['goodput_per_node']:12.3f} "
                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} {r['median_tpot_ms']:9.1f} "
                      f"{r['p99_tpot_ms']:9.1f}{mark}")
     lines.append("")

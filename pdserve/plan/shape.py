@@ -13,7 +13,9 @@ shape of N nodes serves the workload best, then places each request within that 
   one request at a time (light to saturating), summed over the rates;
 - the first candidate in the planner's order (colocated with chunked prefill, without, capped, then
   the pull ratios) whose goodput is within `margin` of the best wins: a colocated shape keeps
-  every colocated choice (auto over kv_both nodes), so PD must beat it by more than the margin.
+  every colocated choice (auto over kv_both nodes), so PD must beat it by more than the margin;
+- a P/D winner's per-role settings are tried next (the planner's role_variants: P's token budget,
+  D's most streams), one at a time; the best replaces the node's own where it gains ROLE_MARGIN.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from pdserve.plan.planner import Family, check_nodes, check_rate, families
+from pdserve.plan.planner import Family, check_nodes, check_rate, families, role_variants
 from pdserve.plan.profile import Profile
 from pdserve.plan.sim import Setup, simulate
 from pdserve.workload import BenchRequest, named_dataset
 
 RATE_FRACTIONS = (0.25, 0.5, 1.0)
 MARGIN = 0.1
+ROLE_MARGIN = 0.05  # a per-role setting away from the node's own must gain this much goodput
 REQUESTS = 200  # simulated per rate at least: 30 left a cell's pick to the sample (sixth look's planner map)
 REQUESTS_PER_NODE = 100  # and this many a node: 200 requests over 64 nodes never load the cluster
 
@@ -73,8 +76,7 @@ def whole_cluster(family: Family, nodes: int) -> Setup:
     one-unit view with thinned arrivals misses what the proxy's choice across nodes is worth: it
     put colocated x2 at 66 % of chat's requests within TTFT + TPOT at 0.5 req/s where two nodes
     simulated whole meet 90 %, and 85 % was measured; docs/benchmarks.md, seventh look.)"""
-    units = nodes // family.unit_nodes
-    return Setup(family.mode, units * family.prefill, units * family.decode)
+    return family.cluster(nodes // family.unit_nodes)
 
 
 def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, float], nodes: int,
@@ -86,14 +88,20 @@ def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, f
     if not slos:
         raise ValueError("auto's shape is chosen for SLOs: give --slo, e.g. ttft:2000 itl:100")
     rates = rates or [f * idle_rate(profile, requests, nodes) for f in RATE_FRACTIONS]
-    goodput: dict[Family, list[float]] = {}
-    for rate in rates:
-        for family in candidates(profile, slos, nodes):
-            summary = simulate(profile, whole_cluster(family, nodes), requests, rate, 1.0, seed, slos,
-                               chunked_prefill=family.chunked, itls=False, prefill_cap=family.prefill_cap)
-            goodput.setdefault(family, []).append(rate * summary["slo_attainment"])
+
+    def goodputs(family: Family) -> list[float]:
+        return [rate * simulate(profile, whole_cluster(family, nodes), requests, rate, 1.0, seed, slos,
+                                chunked_prefill=family.chunked, itls=False,
+                                prefill_cap=family.prefill_cap)["slo_attainment"] for rate in rates]
+
+    goodput = {family: goodputs(family) for family in candidates(profile, slos, nodes)}
     top = max(sum(g) for g in goodput.values())
     best = next(f for f, g in goodput.items() if (1 + margin) * sum(g) >= top)  # dicts keep the planner's order
+    variants = role_variants(best)
+    goodput.update({family: goodputs(family) for family in variants})
+    tuned = max(variants, key=lambda f: sum(goodput[f]), default=best)
+    if sum(goodput[tuned]) > (1 + ROLE_MARGIN) * sum(goodput[best]):
+        best = tuned
     return ShapePick(best, nodes // best.unit_nodes, rates,
                      {f.setup(nodes // f.unit_nodes): g for f, g in goodput.items()})
 

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from pdserve.kv.transport.shm import on_this_host
-from pdserve.launcher import StopSignal, node_command, node_roles, node_tp, print_ready, proxy_command, tp_flags
+from pdserve.launcher import StopSignal, node_command, node_roles, node_tp, print_ready, proxy_command
 from pdserve.procs import Child, ProcessGroup, cluster_env
 from pdserve.raycluster.actor import NodeActor, NodeAddress
 
@@ -74,14 +74,13 @@ def run_up_ray(args) -> int:
     try:
         group = place(ray, cpus, args.ray_placement, args.startup_timeout)
         secret = secrets.token_hex(32)  # travels to the actors through Ray only
-        # Every host resolves the model itself (the embedded one, or a path that exists on each).
-        command = node_command(args, args.model)
         remote = ray.remote(NodeActor)
+        # args.model, not model_dir: every host resolves the model itself (the embedded one, or a path on each).
         for i, role in enumerate(roles):
             options = dict(name=f"pdserve-{role}-{i}-{os.getpid()}", num_cpus=cpus[i],
                            max_restarts=args.ray_max_restarts, max_task_retries=0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
-            actors.append(remote.options(**options).remote(f"{role}-{i}", role, [*tp_flags(args, role), *command],
+            actors.append(remote.options(**options).remote(f"{role}-{i}", role, node_command(args, args.model, role),
                                                            secret, args.api_key, args.startup_timeout))
         addresses = ray.get([a.address_of.remote() for a in actors], timeout=args.startup_timeout)
         for a in addresses:

@@ -4,9 +4,19 @@ node's scheduler settings and KV pool."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MODES = ("colocated", "pull", "push", "auto")
+
+
+def check_role_settings(prefill_budget: int | None, decode_max_seqs: int | None, has_p_and_d: bool,
+                        shape: str) -> None:
+    """ValueError where a per-role setting cannot apply (no P and D nodes) or is out of range."""
+    for flag, value in (("--prefill-max-num-batched-tokens", prefill_budget), ("--decode-max-num-seqs", decode_max_seqs)):
+        if value is not None and not has_p_and_d:
+            raise ValueError(f"{flag} sets P and D nodes by role; {shape} has none")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -14,6 +24,20 @@ class Setup:
     mode: str
     prefill: int  # P nodes (0 when colocated, or auto over colocated nodes)
     decode: int  # D nodes, or colocated nodes
+    # Per-role settings of a P/D setup (`pdserve up --prefill-max-num-batched-tokens`,
+    # `--decode-max-num-seqs`): None keeps the node's own.
+    prefill_budget: int | None = None
+    decode_max_seqs: int | None = None
+
+    def __post_init__(self) -> None:
+        check_role_settings(self.prefill_budget, self.decode_max_seqs, self.prefill > 0, f"{self.mode}:{self.decode}")
+
+    @property
+    def role_flags(self) -> str:
+        """The per-role settings as `pdserve up` / `pdserve simulate` take them ('' when none)."""
+        flags = [f"--prefill-max-num-batched-tokens {self.prefill_budget}"] if self.prefill_budget else []
+        flags += [f"--decode-max-num-seqs {self.decode_max_seqs}"] if self.decode_max_seqs else []
+        return " ".join(flags)
 
     @classmethod
     def parse(cls, text: str) -> Setup:
@@ -57,6 +81,14 @@ class Batching:
             raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 1 and needs chunked prefill, got {prefill_cap}")
         return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"], node.get("block_size", 16),
                    prefill_cap)
+
+    def for_role(self, setup: Setup, role: str) -> Batching:
+        """This node's settings with the setup's per-role ones for `role` (prefill | decode)."""
+        if role == "prefill" and setup.prefill_budget:
+            return replace(self, budget=setup.prefill_budget if self.chunked else max(self.budget, setup.prefill_budget))
+        if role == "decode" and setup.decode_max_seqs:
+            return replace(self, max_seqs=setup.decode_max_seqs)
+        return self
 
     @property
     def num_blocks(self) -> int:
