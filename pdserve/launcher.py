@@ -49,8 +49,6 @@ def node_tp(args, role: str) -> int:
     return {"prefill": args.prefill_tp, "decode": args.decode_tp}.get(role, 1)
 
 
-
-
 def check_node_tp(args) -> None:
     """ValueError naming the flag whose TP size cannot split the model (before any node starts)."""
     from pdserve.models.locate import resolve_model_dir

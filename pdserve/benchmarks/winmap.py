@@ -189,8 +189,8 @@ def markdown(res: dict, png: str = "winmap.png") -> str:
              f"SLOs from the idle node: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, TPOT {res['slos_ms']['tpot_ms']:.1f} ms, "
              f"ITL (longest gap) {res['slos_ms']['max_itl_ms']:.0f} ms. Goodput in requests/s, mean of "
              f"{res['runs']} runs; noise = the largest spread of one setup's runs over its mean.", "",
-             f"| workload | SLOs | rate | {' | '.join(columns)} | winner | margin | PD / colocated | auto / best static "
-             "| noise |", "|---" * (len(columns) + 8) + "|"]
+             f"| workload | SLOs | rate | {' | '.join(columns)} | winner | margin | PD / colocated | "
+             "auto / best static | noise |", "|---" * (len(columns) + 8) + "|"]
     fmt = lambda x: "–" if x is None else f"{x:.2f}x"  # noqa: E731
     for workload, by_slo in res["map"].items():
         rates = res["workloads"][workload]["rates"]

@@ -160,8 +160,8 @@ class Planner:
         """One unit's summary when the cluster has `units` of them (see the module's docstring).
         Unless `whole`, a run that cannot reach the attainment any more stops there (its summary
         then holds only an upper bound of it: the bisection needs no more)."""
-        summary = simulate(self.profile, family.cluster(1), self.requests, self.rate / units, float(units), self.seed, self.slos,
-                           chunked_prefill=family.chunked, itls=False, prefill_cap=family.prefill_cap,
+        summary = simulate(self.profile, family.cluster(1), self.requests, self.rate / units, float(units), self.seed,
+                           self.slos, chunked_prefill=family.chunked, itls=False, prefill_cap=family.prefill_cap,
                            give_up_below=None if whole else self.attainment)
         self.simulated_requests += summary["simulated_requests"]
         return summary
@@ -197,8 +197,8 @@ class Planner:
         bound = min(passing, key=rank).nodes
         out = []
         for base in (c for c in choices if c.family.prefill and c.nodes <= 2 * bound):
-            variants = [c for c in (self.smallest(f, bound) for f in role_variants(base.family)) if c is not None and c.meets]
-            best = min(variants, key=rank, default=None)
+            variants = [self.smallest(f, bound) for f in role_variants(base.family)]
+            best = min((c for c in variants if c is not None and c.meets), key=rank, default=None)
             if best is not None and rank(best) < rank(base):
                 out.append(best)
         return out
@@ -236,7 +236,8 @@ def report(result: dict, profile_path: str) -> str:
              f"{'p50 TPOT':>9s} {'p99 TPOT':>9s}"]
     for r in result["setups"]:
         mark = "" if r["meets"] else "  (misses the SLOs even at this size)"
-        lines.append(f"{r['setup']:40s} {r['nodes']:5d} {r['slo_attainment'] * 100:6.1f}% {r['goodput_per_node']:12.3f} "
+        lines.append(f"{r['setup']:40s} {r['nodes']:5d} {r['slo_attainment'] * 100:6.1f}% "
+                     f"{r['goodput_per_node']:12.3f} "
                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} {r['median_tpot_ms']:9.1f} "
                      f"{r['p99_tpot_ms']:9.1f}{mark}")
     lines.append("")

@@ -164,7 +164,8 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
     summary.update({"setup": f"{setup.mode}:{shape}", "policy": policy, "simulated": True,
                     "max_num_batched_tokens": batching.budget, "chunked_prefill": chunked_prefill,
                     "max_prefill_tokens_while_decoding": prefill_cap,
-                    "prefill_max_num_batched_tokens": setup.prefill_budget, "decode_max_num_seqs": setup.decode_max_seqs,
+                    "prefill_max_num_batched_tokens": setup.prefill_budget,
+                    "decode_max_num_seqs": setup.decode_max_seqs,
                     "prefix_caching": caching, "simulated_requests": len(requests),
                     "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders)})
     if setup.mode == "auto":

@@ -12,7 +12,8 @@ MODES = ("colocated", "pull", "push", "auto")
 def check_role_settings(prefill_budget: int | None, decode_max_seqs: int | None, has_p_and_d: bool,
                         shape: str) -> None:
     """ValueError where a per-role setting cannot apply (no P and D nodes) or is out of range."""
-    for flag, value in (("--prefill-max-num-batched-tokens", prefill_budget), ("--decode-max-num-seqs", decode_max_seqs)):
+    for flag, value in (("--prefill-max-num-batched-tokens", prefill_budget),
+                        ("--decode-max-num-seqs", decode_max_seqs)):
         if value is not None and not has_p_and_d:
             raise ValueError(f"{flag} sets P and D nodes by role; {shape} has none")
         if value is not None and value < 1:
@@ -84,8 +85,8 @@ class Batching:
 
     def for_role(self, setup: Setup, role: str) -> Batching:
         """This node's settings with the setup's per-role ones for `role` (prefill | decode)."""
-        if role == "prefill" and setup.prefill_budget:
-            return replace(self, budget=setup.prefill_budget if self.chunked else max(self.budget, setup.prefill_budget))
+        if role == "prefill" and setup.prefill_budget and self.chunked:  # unchunked, a whole prompt is a step
+            return replace(self, budget=setup.prefill_budget)
         if role == "decode" and setup.decode_max_seqs:
             return replace(self, max_seqs=setup.decode_max_seqs)
         return self
