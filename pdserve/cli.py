@@ -55,6 +55,23 @@ def add_role_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-max-num-seqs", type=int, default=None, metavar="N",
                         help="D nodes' most requests in a step (default: pdserve serve's --max-num-seqs, 64): "
                              "fewer streams make a shorter decode step")
+    parser.add_argument("--prefill-threads", type=int, default=None, metavar="N",
+                        help="threads (cores) of each P node (default 1; pdserve simulate: needs a --thread-profile "
+                             "measured at N)")
+    parser.add_argument("--decode-threads", type=int, default=None, metavar="N", help="threads (cores) of each D node")
+
+
+def add_thread_profile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--thread-profile", nargs="+", default=None, metavar="JSON",
+                        help="profiles of this model measured at more threads (`pdserve profile --threads N`): they "
+                             "price P or D nodes of N threads (plan tries them, a node of N threads counting N cores)")
+
+
+def role_settings(args: argparse.Namespace) -> dict[str, int | None]:
+    """flag -> value of the per-role settings given (add_role_args)."""
+    from pdserve.plan.sim.setup import ROLE_SETTINGS
+
+    return {flag: getattr(args, flag.removeprefix("--").replace("-", "_")) for flag in ROLE_SETTINGS.values()}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -222,9 +239,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                          "--mode auto --nodes N --slo ... (and --shape plan, the default)")
     from pdserve.plan.sim.setup import check_role_settings
 
-    check_role_settings(args.prefill_max_num_batched_tokens, args.decode_max_num_seqs,
-                        not args.colocated and not args.nodes,
+    check_role_settings(role_settings(args), not args.colocated and not args.nodes,
                         f"--colocated {args.colocated}" if args.colocated else f"--nodes {args.nodes} (kv_both nodes)")
+    check_role_threads(args)
     if args.mode == "auto" and args.slo and args.max_prefill_tokens_while_decoding is None:
         itl_prefill_cap(args)
     if args.ray is not None:
@@ -234,6 +251,20 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         return run_up_ray(args)
     return run_up(args)
+
+
+def check_role_threads(args: argparse.Namespace) -> None:
+    """--prefill-threads / --decode-threads: a one-process node's threads, each on a core of its own."""
+    for flag, threads, tp in (("--prefill-threads", args.prefill_threads, args.prefill_tp),
+                              ("--decode-threads", args.decode_threads, args.decode_tp)):
+        if threads is None:
+            continue
+        if tp > 1:
+            raise ValueError(f"{flag} sets a one-process node's threads; a TP node's ranks share the cores "
+                             f"({flag.replace('threads', 'tp')} {tp})")
+        if args.mode == "auto":
+            raise ValueError(f"{flag}: auto mode prices every node with one profile of one thread; "
+                             "use it with --mode pull or push")
 
 
 def choose_auto_shape(args: argparse.Namespace) -> None:
@@ -320,14 +351,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pdserve.plan.planner import Planner, report
-    from pdserve.plan.profile import Profile
+    from pdserve.plan.profile import Profile, thread_profiles
     from pdserve.workload import parse_goodput, requests_from_args
 
     profile = Profile.load(args.profile, model=args.model)
     slos = parse_goodput(args.goodput)
     if args.nodes is not None:
+        if args.thread_profile:
+            raise ValueError("--thread-profile: --nodes N weighs shapes of N one-thread nodes; plan without --nodes")
         return plan_shape(args, profile, slos)
-    planner = Planner(profile, requests_from_args(args), args.rate, slos, args.attainment, args.max_nodes, args.seed)
+    planner = Planner(profile, requests_from_args(args), args.rate, slos, args.attainment, args.max_nodes, args.seed,
+                      thread_profiles(args.thread_profile, profile))
     result = planner.plan()
     result.update({"profile": args.profile, "dataset": args.dataset, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     print(report(result, args.profile))
@@ -361,18 +395,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from pdserve.bench_serving import publish_run
-    from pdserve.plan.profile import Profile
+    from pdserve.plan.profile import Profile, thread_profiles
     from pdserve.plan.sim import Setup, simulate
     from pdserve.workload import workload_from_args
 
     setup = replace(Setup.parse(args.setup), prefill_budget=args.prefill_max_num_batched_tokens,
-                    decode_max_seqs=args.decode_max_num_seqs)
+                    decode_max_seqs=args.decode_max_num_seqs, prefill_threads=args.prefill_threads,
+                    decode_threads=args.decode_threads)
     profile = Profile.load(args.profile)
     slos, rate, requests = workload_from_args(args)
     summary = simulate(profile, setup, requests, rate, args.burstiness, args.seed, slos,
                        args.policy, args.kv_transport, args.max_num_batched_tokens, not args.no_chunked_prefill,
                        prefix_caching=False if args.no_prefix_caching else None, placement=args.placement,
-                       prefill_cap=args.max_prefill_tokens_while_decoding, one_host=args.one_host)
+                       prefill_cap=args.max_prefill_tokens_while_decoding, one_host=args.one_host,
+                       thread_profiles=thread_profiles(args.thread_profile, profile))
     summary["profile"] = args.profile
     publish_run(summary, args)
     return 0
@@ -584,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = sub.add_parser("simulate", help="predict a bench run on a setup from a profile (no model runs)")
     simulate.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
+    add_thread_profile_arg(simulate)
     simulate.add_argument("--setup", required=True,
                           help="colocated:N | pull:xPyD | push:xPyD | auto:N | auto:xPyD (auto: per-request placement; "
                                "auto:N over N kv_both nodes)")
@@ -610,12 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="the fewest nodes (colocated or P:D) that meet SLOs at a rate, from a profile")
     plan.add_argument("--profile", required=True, help="the JSON `pdserve profile` wrote")
+    add_thread_profile_arg(plan)
     plan.add_argument("--model", default=None, help="refuse a profile of another model (name or part of it)")
     plan.add_argument("--rate", type=float, required=True, help="requests per second to serve")
     plan.add_argument("--goodput", nargs="+", required=True, metavar="METRIC:MS",
                       help="SLOs, e.g. ttft:2000 tpot:60 (itl:MS too)")
     plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
-    plan.add_argument("--max-nodes", type=int, default=64, help="the largest cluster to consider (up to 1000)")
+    plan.add_argument("--max-nodes", type=int, default=64,
+                      help="the largest cluster to consider (up to 1000), in cores: a node of N threads counts N")
     plan.add_argument("--nodes", type=int, default=None, metavar="N",
                       help="instead: the best shape of exactly N nodes at --rate (colocated or P:D, as "
                            "`pdserve up --mode auto --nodes N` picks it): should these N nodes disaggregate?")

@@ -15,12 +15,14 @@ from pdserve.procs import Child, ProcessGroup, cluster_env
 from pdserve.proxy.membership import ROLE_FLAGS
 
 
-def plan_cores(num_nodes: int) -> list[int | None]:
-    """One core per node when the machine has enough (threads then set to 1); else no pinning."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= num_nodes:
-        return cores[:num_nodes]
-    return [None] * num_nodes
+def plan_cores(threads: list[int], available: list[int] | None = None) -> list[tuple[int, ...] | None]:
+    """Each node's own cores, one per thread, when the machine (`available`: the cores this process
+    may use) has enough; else no pinning."""
+    cores = sorted(available if available is not None else os.sched_getaffinity(0))
+    if len(cores) < sum(threads):
+        return [None] * len(threads)
+    starts = [sum(threads[:i]) for i in range(len(threads))]
+    return [tuple(cores[start:start + n]) for start, n in zip(starts, threads)]
 
 
 class StopSignal:
@@ -44,6 +46,11 @@ def node_roles(args) -> list[str]:
     return ["prefill"] * args.prefill + ["decode"] * args.decode
 
 
+def node_threads(args, role: str) -> int | None:
+    """The threads a `role` node was given (--prefill-threads, --decode-threads); None: one when pinned."""
+    return {"prefill": args.prefill_threads, "decode": args.decode_threads}.get(role)
+
+
 def node_tp(args, role: str) -> int:
     """The TP size of a node of `role`: --prefill-tp, --decode-tp (colocated nodes: 1)."""
     return {"prefill": args.prefill_tp, "decode": args.decode_tp}.get(role, 1)
@@ -64,7 +71,7 @@ def check_node_tp(args) -> None:
 
 
 def node_command(args, model: str | None, role: str) -> list[str]:
-    """A `role` node's `pdserve serve` options from `pdserve up`'s (address and threads apart): TP
+    """A `role` node's `pdserve serve` options from `pdserve up`'s (address and pinning apart): TP
     size and the per-role settings by role; model None: each node resolves the embedded one."""
     from pdserve.models.locate import default_model_name
 
@@ -79,6 +86,8 @@ def node_command(args, model: str | None, role: str) -> list[str]:
         command += ["--tensor-parallel-size", str(node_tp(args, role))]
     if role == "decode" and args.decode_max_num_seqs:
         command += ["--max-num-seqs", str(args.decode_max_num_seqs)]
+    if node_threads(args, role):
+        command += ["--threads", str(node_threads(args, role))]
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.no_chunked_prefill:
@@ -128,6 +137,13 @@ def node_flags(nodes: list[tuple[str, str]]) -> list[str]:
     return flags
 
 
+def one_thread(args, role: str, pinned: tuple[int, ...] | None) -> list[str]:
+    """A node of no --prefill-threads / --decode-threads runs one thread when pinned to its core, or
+    when the other role's nodes were given theirs (node_command passes those)."""
+    by_role = args.prefill_threads or args.decode_threads
+    return ["--threads", "1"] if (pinned or by_role) and not node_threads(args, role) else []
+
+
 def run_up(args) -> int:
     from pdserve.models.locate import resolve_model_dir
     from pdserve.platform import plan_kernels
@@ -139,18 +155,19 @@ def run_up(args) -> int:
     # A TP node's ranks share the cores it may use: with TP, no node is pinned (each rank takes its
     # share of the machine's cores).
     tp = any(node_tp(args, role) > 1 for role in roles)
-    cores = [None] * len(roles) if tp else plan_cores(len(roles))
+    cores = [None] * len(roles) if tp else plan_cores([node_threads(args, role) or 1 for role in roles])
     nodes = [
-        Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *(["--threads", "1"] if core is not None else []),
-                                           *node_command(args, model_dir, role)], core, role)
-        for i, (role, core) in enumerate(zip(roles, cores))
+        Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *one_thread(args, role, pinned),
+                                           *node_command(args, model_dir, role)], pinned, role)
+        for i, (role, pinned) in enumerate(zip(roles, cores))
     ]
     cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it
     stop = StopSignal()
     try:
         shape = ({"both": f"{len(roles)} colocated", "kv_both": f"{len(roles)} kv_both"}.get(roles[0])
                  or f"{args.prefill} prefill (TP {args.prefill_tp}) + {args.decode} decode (TP {args.decode_tp})")
-        print(f"pdserve up: starting {shape} node(s) (cores: {cores}) on {plan.describe()}", flush=True)
+        pinning = [list(c) if c else None for c in cores]
+        print(f"pdserve up: starting {shape} node(s) (cores: {pinning}) on {plan.describe()}", flush=True)
         cluster.launch(nodes, args.startup_timeout)
         proxy_args = proxy_command(args, model_dir, args.host) + node_flags([(n.role, n.url) for n in nodes])
         proxy = Child("proxy", proxy_args, f"http://{args.host}:{args.port}", None)

@@ -106,12 +106,12 @@ class OutputRelay:
         return path
 
 
-def _child_setup(core: int | None):
+def _child_setup(cores: tuple[int, ...] | None):
     def setup() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if core is not None:
-            os.sched_setaffinity(0, {core})
+        if cores is not None:
+            os.sched_setaffinity(0, set(cores))
 
     return setup
 
@@ -121,7 +121,7 @@ class Child:
     name: str
     args: list[str]  # pdserve's command line
     url: str
-    core: int | None = None
+    cores: tuple[int, ...] | None = None  # pinned to these cores (None: wherever the OS runs it)
     role: str = ""
     ready_path: str = "/health"
     log_path: str | None = None  # where its output goes; None: through an OutputRelay
@@ -129,21 +129,22 @@ class Child:
     output: OutputRelay | None = None
 
     @classmethod
-    def on_free_port(cls, name: str, args: list[str], core: int | None = None, role: str = "", **kwargs) -> Child:
+    def on_free_port(cls, name: str, args: list[str], cores: tuple[int, ...] | None = None, role: str = "",
+                     **kwargs) -> Child:
         """A `pdserve <args>` child listening on a free loopback port."""
         port = free_port()
-        return cls(name, [*args, "--host", "127.0.0.1", "--port", str(port)], f"http://127.0.0.1:{port}", core, role,
+        return cls(name, [*args, "--host", "127.0.0.1", "--port", str(port)], f"http://127.0.0.1:{port}", cores, role,
                    **kwargs)
 
     def start(self, env: dict[str, str] | None = None, hold_output: bool = False) -> None:
         command = [sys.executable, "-m", "pdserve.cli", *self.args]
         if self.log_path is None:
-            self.proc = subprocess.Popen(command, preexec_fn=_child_setup(self.core), env=env,
+            self.proc = subprocess.Popen(command, preexec_fn=_child_setup(self.cores), env=env,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.output = OutputRelay(self.proc.stdout, hold_output)
         else:
             with open(self.log_path, "w") as log:
-                self.proc = subprocess.Popen(command, preexec_fn=_child_setup(self.core), env=env,
+                self.proc = subprocess.Popen(command, preexec_fn=_child_setup(self.cores), env=env,
                                              stdout=log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:

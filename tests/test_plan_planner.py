@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_plan_simulator import known_profile
+from test_plan_simulator import known_profile, two_thread_profile
 
 from pdserve.plan.planner import Family, Planner, families, prefill_cap_for
 from pdserve.plan.sim import Setup, simulate
@@ -65,6 +65,24 @@ def test_the_planner_tunes_each_pd_familys_per_role_settings():
     assert all(r["meets"] for r in result["setups"] if "--decode-max-num-seqs" in r["setup"])
 
 
+def test_the_planner_tries_p_or_d_nodes_of_more_threads_counting_their_cores():
+    """A prefill-heavy load (1024-token prompts, 16 out) under a TTFT SLO, with a profile measured
+    at 2 threads whose prefill runs 3x faster (past linear, to make the trade plain): a P node of 2
+    threads does the work of 3 one-thread ones on 2 cores, so the pick has P nodes of 2 threads
+    and needs fewer cores than any family of one-thread nodes. Its cores count both threads."""
+    load = mixed_dataset(300, seed=3, long_fraction=1.0, short=(128, 16), long=(1024, 16))
+    threads = {2: two_thread_profile(prefill=1 / 3, decode=1.0)}
+    result = Planner(known_profile(), load, 3.0, {"ttft_ms": 4000.0}, 0.9, 16, thread_profiles=threads).plan()
+    pick = result["pick"]
+    assert pick["setup"].endswith("(--prefill-threads 2)"), pick
+    assert pick["family"].endswith(", P of 2 threads") and pick["cores"] > pick["nodes"]
+    one_thread = [r for r in result["setups"] if r["meets"] and "threads" not in r["setup"]]
+    assert one_thread and pick["cores"] < min(r["cores"] for r in one_thread)
+    assert all(r["cores"] == r["nodes"] for r in one_thread)
+    without = Planner(known_profile(), load, 3.0, {"ttft_ms": 4000.0}, 0.9, 16).plan()
+    assert not any("threads" in r["setup"] for r in without["setups"])
+
+
 def test_a_unit_with_thinned_arrivals_predicts_the_whole_round_robin_cluster():
     reqs, rate, units = requests(1200), 8.0, 4
     whole = simulate(known_profile(), Setup.parse(f"pull:{units}P{2 * units}D"), reqs, rate, 1.0, 0, SLOS, itls=False)
@@ -105,7 +123,7 @@ def test_plan_cli_answers_and_refuses_bad_input(tmp_path):
 
     impossible = plan_cli(*common, "--rate", "4", "--goodput", "ttft:1", "--max-nodes", "4")
     assert impossible.returncode == 1
-    assert "no setup of at most 4 nodes meets the SLOs at 4 req/s: the closest" in impossible.stdout
+    assert "no setup of at most 4 cores meets the SLOs at 4 req/s: the closest" in impossible.stdout
 
     other_model = plan_cli(*common, "--model", "Qwen", "--rate", "1", "--goodput", "ttft:3000")
     assert other_model.returncode == 2 and "not of 'Qwen'" in other_model.stderr

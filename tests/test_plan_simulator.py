@@ -452,3 +452,56 @@ def test_per_role_settings_set_p_nodes_budget_and_d_nodes_streams():
     with pytest.raises(ValueError, match="--prefill-max-num-batched-tokens must be >= 1, got 0"):
         Setup("pull", 1, 1, prefill_budget=0)
 
+
+
+def two_thread_profile(prefill: float = 0.5, decode: float = 0.8) -> Profile:
+    """known_profile as measured at 2 threads: its prefill and decode costs times these factors."""
+    faster = known_profile().scaled({"prefill": prefill, "decode": decode})
+    return replace(faster, meta={**faster.meta, "threads": 2})
+
+
+def test_nodes_of_more_threads_step_at_their_profiles_costs():
+    """`--prefill-threads 2`: P prefills at the 2-thread profile's costs (half here), D decodes at
+    the 1-thread one's; `--decode-threads 2` the other way round (0.8x the step). Without a profile
+    measured at that many threads the setup is refused, naming the flag."""
+    one = [BenchRequest([0], 1000, 4)]
+    threads = {2: two_thread_profile()}
+
+    def on(setup: Setup) -> dict:
+        return simulate(known_profile(), setup, one, float("inf"), 1.0, 0, {"ttft_ms": 1000}, thread_profiles=threads)
+
+    plain, fat_p, fat_d = on(Setup("pull", 1, 1)), on(Setup("pull", 1, 1, prefill_threads=2)), \
+        on(Setup("pull", 1, 1, decode_threads=2))
+    prefill = 0.010 + 0.512 + 0.010 + 0.488  # two chunks at the 1-thread costs
+    assert fat_p["ttfts"][0] == pytest.approx(plain["ttfts"][0] - prefill / 2)
+    assert fat_p["itls"][0] == pytest.approx(plain["itls"][0])
+    assert fat_d["ttfts"][0] == pytest.approx(plain["ttfts"][0])
+    assert fat_d["itls"][0] == pytest.approx([0.8 * gap for gap in plain["itls"][0]])
+    assert fat_p["prefill_threads"] == 2 and fat_d["decode_threads"] == 2 and plain["prefill_threads"] is None
+    assert Setup("pull", 2, 1, prefill_threads=2).role_flags == "--prefill-threads 2"
+    with pytest.raises(ValueError, match="--decode-threads 4: no profile measured at 4 thread"):
+        on(Setup("pull", 1, 1, decode_threads=4))
+    with pytest.raises(ValueError, match="--prefill-threads sets P and D nodes by role; colocated:2 has none"):
+        Setup("colocated", 0, 2, prefill_threads=2)
+
+
+def test_thread_profiles_load_by_thread_count_and_refuse_a_repeat(tmp_path):
+    from pdserve.plan.profile import thread_profiles
+
+    main, two = known_profile(), two_thread_profile()
+    main.meta["model"] = two.meta["model"] = "SmolLM2-135M-Instruct.Q4_1-abc"
+    paths = {}
+    for name, profile in (("one", main), ("two", two)):
+        profile.save(tmp_path / f"{name}.json")
+        paths[name] = str(tmp_path / f"{name}.json")
+    loaded = thread_profiles([paths["two"]], main)
+    assert list(loaded) == [2] and loaded[2].prefill_chunk.coefficients == two.prefill_chunk.coefficients
+    assert thread_profiles(None, main) == {}
+    with pytest.raises(ValueError, match="--thread-profile .*one.json: measured at 1 thread.*as --profile was"):
+        thread_profiles([paths["one"]], replace(main, meta={**main.meta, "threads": 1}))
+    with pytest.raises(ValueError, match="as another --thread-profile was"):
+        thread_profiles([paths["two"], paths["two"]], main)
+    other = replace(two, meta={**two.meta, "model": "Qwen2-0.5B"})
+    other.save(tmp_path / "qwen.json")
+    with pytest.raises(ValueError, match="--thread-profile .*qwen.json: a profile of 'Qwen2-0.5B'"):
+        thread_profiles([str(tmp_path / "qwen.json")], main)

@@ -17,7 +17,7 @@ import pytest
 from servers import free_port
 
 from pdserve.cli import build_parser
-from pdserve.launcher import node_command
+from pdserve.launcher import node_command, one_thread, plan_cores
 from pdserve.plan.profile import Profile
 from pdserve.plan.shape import shape_for
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
@@ -149,6 +149,19 @@ def test_per_role_settings_reach_only_their_role():
     assert d[d.index("--max-num-batched-tokens") + 1] == "2048" and d[d.index("--max-num-seqs") + 1] == "8"
 
 
+def test_per_role_threads_reach_their_role_and_pin_as_many_cores():
+    up = build_parser().parse_args(["up", "--prefill-threads", "2"])
+    p, d = node_command(up, None, "prefill"), node_command(up, None, "decode")
+    assert p[p.index("--threads") + 1] == "2" and "--threads" not in d
+    # D runs one thread, pinned or not, once P's threads are set (node_command passes P's)
+    assert one_thread(up, "decode", None) == ["--threads", "1"] and one_thread(up, "prefill", (0, 1)) == []
+    plain = build_parser().parse_args(["up"])
+    assert one_thread(plain, "decode", (1,)) == ["--threads", "1"] and one_thread(plain, "decode", None) == []
+    assert plan_cores([2, 1], available=[0, 1, 2, 3]) == [(0, 1), (2,)]
+    assert plan_cores([2, 1, 1], available=[4, 5, 6, 7]) == [(4, 5), (6,), (7,)]
+    assert plan_cores([2, 1], available=[0, 1]) == [None, None]  # not enough cores: no pinning
+
+
 @pytest.mark.parametrize("flags, error", [
     (["--ray-placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),
     (["--placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),  # issue 17's spelling
@@ -164,6 +177,12 @@ def test_per_role_settings_reach_only_their_role():
     (["--colocated", "2", "--decode-max-num-seqs", "4"],
      "--decode-max-num-seqs sets P and D nodes by role; --colocated 2 has none"),
     (["--prefill-max-num-batched-tokens", "0"], "--prefill-max-num-batched-tokens must be >= 1, got 0"),
+    (["--colocated", "2", "--prefill-threads", "2"], "--prefill-threads sets P and D nodes by role; --colocated 2 has none"),
+    (["--decode-threads", "0"], "--decode-threads must be >= 1, got 0"),
+    (["--prefill-tp", "3", "--prefill-threads", "2"],
+     "--prefill-threads sets a one-process node's threads; a TP node's ranks share the cores (--prefill-tp 3)"),
+    (["--mode", "auto", "--decode-threads", "2", "--profile", str(SIXTH_PROFILE)],
+     "--decode-threads: auto mode prices every node with one profile of one thread; use it with --mode pull or push"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--rate", "-1", "--profile", str(SIXTH_PROFILE)],
      "--rate -1: expected a finite number of requests per second > 0"),
 ])

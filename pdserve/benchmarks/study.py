@@ -68,7 +68,7 @@ SETUPS = {
 def idle_latencies(dtype: str, repeats: int = 3) -> dict:
     """Median idle TTFT (short and long prompt) and decode step of one node on one core."""
     node = Child.on_free_port("idle", ["serve", "--role", "both", "--threads", "1", "--dtype", dtype,
-                                       "--log-level", "warning"], core=0)
+                                       "--log-level", "warning"], cores=(0,))
     with ProcessGroup() as group:
         group.launch([node], 300)
         probes = {"long": random_dataset(repeats + 1, LONG_INPUT, 2, 0.0, seed=7),

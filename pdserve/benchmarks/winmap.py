@@ -37,7 +37,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pdserve.benchmarks.report import publish
@@ -126,8 +126,7 @@ def kind_families(profile: Profile, slos: dict[str, float], auto_shape: Family |
     for family in families(profile, slos):
         kinds["auto" if family.mode == "auto" else "colocated" if family.mode == "colocated" else "PD"].append(family)
     if auto_shape is not None and auto_shape.mode != "colocated":
-        kinds["auto"] = [Family("auto", auto_shape.prefill, auto_shape.decode, prefill_budget=auto_shape.prefill_budget,
-                                decode_max_seqs=auto_shape.decode_max_seqs)]
+        kinds["auto"] = [replace(auto_shape, mode="auto")]  # every per-role setting the shape carries
     return kinds
 
 

@@ -295,7 +295,7 @@ class LLMEngine:
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower(),
                 "max_prefill_tokens_while_decoding": str(self.config.max_prefill_tokens_while_decoding or "budget"),
-                "max_num_seqs": str(self.config.max_num_seqs),
+                "max_num_seqs": str(self.config.max_num_seqs), "threads": str(torch.get_num_threads()),
                 "max_num_batched_tokens": str(self.scheduler.max_num_batched_tokens)}
 
     def stats(self) -> EngineStats:

@@ -124,7 +124,7 @@ def one_start(dtype: str, model: str | None = None, probes: int = 0) -> dict:
     """Start `pdserve serve` (one thread, pinned): seconds to healthy, idle RSS, and with `probes`
     that many `probe`s sent one at a time (one more first, to warm up)."""
     args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
-    node = Child.on_free_port("node", args, core=0, log_path=os.devnull)
+    node = Child.on_free_port("node", args, cores=(0,), log_path=os.devnull)
     with ProcessGroup(stop_grace_s=30) as group:
         start = time.perf_counter()
         group.start(node)

@@ -7,9 +7,11 @@ Setups are families of a unit repeated k times: colocated nodes (with or without
 prefill; under an ITL SLO also with a prefill cap while decoding that fits it, prefill_cap_for),
 pull or push units of x P and y D nodes for the P:D ratios of RATIOS, and auto over pairs of
 kv_both nodes (per request: prefill where it decodes, or on the other node and pull); then each
-P/D family again with per-role settings (P's token budget, D's most streams: role_variants). For each
-family the planner finds the smallest k whose simulated SLO attainment reaches the target
-(attainment grows with k), by bisection between 1 and --max-nodes. A bisection step stops its
+P/D family again with per-role settings (P's token budget, D's most streams, and with
+--thread-profile, P or D nodes of more threads: role_variants). For each family the planner finds
+the smallest k whose simulated SLO attainment reaches the target (attainment grows with k), by
+bisection between 1 and --max-nodes. Sizes count cores: a node of t threads counts t, so a
+family of fatter nodes wins only where it needs fewer cores. A bisection step stops its
 simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
 which the report shows even when it fails, runs whole.
 
@@ -60,14 +62,22 @@ class Family:
     prefill_cap: int | None = None  # colocated: --max-prefill-tokens-while-decoding
     prefill_budget: int | None = None  # P/D: P nodes' --max-num-batched-tokens (None: the node's own)
     decode_max_seqs: int | None = None  # P/D: D nodes' --max-num-seqs (None: the node's own)
+    prefill_threads: int | None = None  # P/D: P nodes' threads (None: the profile's, one)
+    decode_threads: int | None = None  # P/D: D nodes' threads
 
     @property
     def unit_nodes(self) -> int:
         return self.prefill + self.decode
 
+    @property
+    def unit_cores(self) -> int:
+        """Cores a unit takes: a thread each."""
+        return self.prefill * (self.prefill_threads or 1) + self.decode * (self.decode_threads or 1)
+
     def cluster(self, units: int) -> Setup:
         """`units` of this family as the simulator's Setup."""
-        return Setup(self.mode, units * self.prefill, units * self.decode, self.prefill_budget, self.decode_max_seqs)
+        return Setup(self.mode, units * self.prefill, units * self.decode, self.prefill_budget, self.decode_max_seqs,
+                     self.prefill_threads, self.decode_threads)
 
     def setup(self, units: int) -> str:
         """The whole cluster, as `pdserve simulate --setup` and `pdserve up` name it."""
@@ -87,16 +97,21 @@ class Family:
         if self.mode == "colocated":
             return "colocated" + ("" if self.chunked else ", no chunked prefill") + cap
         roles = (f", P budget {self.prefill_budget}" if self.prefill_budget else "") + \
-            (f", D at most {self.decode_max_seqs} streams" if self.decode_max_seqs else "")
+            (f", D at most {self.decode_max_seqs} streams" if self.decode_max_seqs else "") + \
+            (f", P of {self.prefill_threads} threads" if self.prefill_threads else "") + \
+            (f", D of {self.decode_threads} threads" if self.decode_threads else "")
         return f"{self.mode} {self.prefill}P:{self.decode}D{roles}"
 
 
-def role_variants(family: Family) -> list[Family]:
-    """A P/D family with each per-role setting of PREFILL_BUDGETS and DECODE_MAX_SEQS tried alone."""
+def role_variants(family: Family, threads: tuple[int, ...] = ()) -> list[Family]:
+    """A P/D family with each per-role setting of PREFILL_BUDGETS and DECODE_MAX_SEQS tried alone,
+    and its P, or its D, nodes at each thread count of `threads` (those profiled)."""
     if not family.prefill:
         return []
     return ([replace(family, prefill_budget=b) for b in PREFILL_BUDGETS]
-            + [replace(family, decode_max_seqs=m) for m in DECODE_MAX_SEQS])
+            + [replace(family, decode_max_seqs=m) for m in DECODE_MAX_SEQS]
+            + [replace(family, prefill_threads=t) for t in threads]
+            + [replace(family, decode_threads=t) for t in threads])
 
 
 def families(profile: Profile | None = None, slos: dict[str, float] | None = None) -> list[Family]:
@@ -138,6 +153,10 @@ class Choice:
     def nodes(self) -> int:
         return self.units * self.family.unit_nodes
 
+    @property
+    def cores(self) -> int:
+        return self.units * self.family.unit_cores
+
     def goodput(self, rate: float) -> float:
         """Requests per second that meet the SLOs, for the whole cluster."""
         return rate * self.summary["slo_attainment"]
@@ -145,7 +164,8 @@ class Choice:
 
 class Planner:
     def __init__(self, profile: Profile, requests: list[BenchRequest], rate: float, slos: dict[str, float],
-                 attainment: float, max_nodes: int, seed: int = 0) -> None:
+                 attainment: float, max_nodes: int, seed: int = 0,
+                 thread_profiles: dict[int, Profile] | None = None) -> None:
         if not slos:
             raise ValueError("--goodput: give the SLOs to plan for, e.g. ttft:2000 tpot:60")
         if not 0 < attainment <= 1:
@@ -154,6 +174,7 @@ class Planner:
         check_rate(rate)
         self.profile, self.requests, self.rate, self.slos = profile, requests, rate, slos
         self.attainment, self.max_nodes, self.seed = attainment, max_nodes, seed
+        self.thread_profiles = thread_profiles or {}  # threads -> profile: nodes of that many are tried too
         self.simulated_requests = 0
 
     def evaluate(self, family: Family, units: int, whole: bool = False) -> dict:
@@ -162,14 +183,14 @@ class Planner:
         then holds only an upper bound of it: the bisection needs no more)."""
         summary = simulate(self.profile, family.cluster(1), self.requests, self.rate / units, float(units), self.seed,
                            self.slos, chunked_prefill=family.chunked, itls=False, prefill_cap=family.prefill_cap,
-                           give_up_below=None if whole else self.attainment)
+                           give_up_below=None if whole else self.attainment, thread_profiles=self.thread_profiles)
         self.simulated_requests += summary["simulated_requests"]
         return summary
 
-    def smallest(self, family: Family, max_nodes: int | None = None) -> Choice | None:
-        """The family's smallest passing size of at most `max_nodes` (default: the planner's); a
-        failing Choice at the largest size; None if no unit fits."""
-        top = (max_nodes or self.max_nodes) // family.unit_nodes
+    def smallest(self, family: Family, max_cores: int | None = None) -> Choice | None:
+        """The family's smallest passing size of at most `max_cores` (default: the planner's
+        --max-nodes, nodes of one thread); a failing Choice at the largest size; None if no unit fits."""
+        top = (max_cores or self.max_nodes) // family.unit_cores
         if top < 1:
             return None
         summary = self.evaluate(family, top, whole=True)  # reported even when it fails
@@ -194,10 +215,10 @@ class Planner:
         passing = [c for c in choices if c.meets]
         if not passing:
             return []
-        bound = min(passing, key=rank).nodes
+        bound = min(passing, key=rank).cores
         out = []
-        for base in (c for c in choices if c.family.prefill and c.nodes <= 2 * bound):
-            variants = [self.smallest(f, bound) for f in role_variants(base.family)]
+        for base in (c for c in choices if c.family.prefill and c.cores <= 2 * bound):
+            variants = [self.smallest(f, bound) for f in role_variants(base.family, tuple(self.thread_profiles))]
             best = min((c for c in variants if c is not None and c.meets), key=rank, default=None)
             if best is not None and rank(best) < rank(base):
                 out.append(best)
@@ -210,44 +231,45 @@ class Planner:
         passing = sorted((c for c in choices if c.meets), key=rank)
         return {"rate": self.rate, "slos_ms": self.slos, "attainment": self.attainment, "max_nodes": self.max_nodes,
                 "num_prompts": len(self.requests), "pick": row(passing[0], self.rate) if passing else None,
-                "setups": [row(c, self.rate) for c in sorted(choices, key=lambda c: (not c.meets, c.nodes))],
+                "setups": [row(c, self.rate) for c in sorted(choices, key=lambda c: (not c.meets, c.cores))],
                 "simulated_requests": self.simulated_requests, "seconds": time.perf_counter() - start}
 
 
 def rank(choice: Choice) -> tuple:
-    """Better choices first: passing, then fewer nodes, then more of the requests within the SLOs."""
-    return (not choice.meets, choice.nodes, -choice.summary["slo_attainment"])
+    """Better choices first: passing, then fewer cores, then more of the requests within the SLOs."""
+    return (not choice.meets, choice.cores, -choice.summary["slo_attainment"])
 
 
 def row(choice: Choice, rate: float) -> dict:
     s = choice.summary
     return {"family": choice.family.name, "setup": choice.family.setup(choice.units), "nodes": choice.nodes,
-            "meets": choice.meets, "slo_attainment": s["slo_attainment"], "goodput": choice.goodput(rate),
-            "goodput_per_node": choice.goodput(rate) / choice.nodes, "median_ttft_ms": s["median_ttft_ms"],
+            "cores": choice.cores, "meets": choice.meets, "slo_attainment": s["slo_attainment"], "goodput": choice.goodput(rate),
+            "goodput_per_node": choice.goodput(rate) / choice.cores, "median_ttft_ms": s["median_ttft_ms"],
             "p99_ttft_ms": s["p99_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"], "p99_tpot_ms": s["p99_tpot_ms"]}
 
 
 def report(result: dict, profile_path: str) -> str:
     slos = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in result["slos_ms"].items())
     lines = [f"plan for {result['rate']:g} req/s, {slos}, attainment >= {result['attainment'] * 100:g} %, "
-             f"at most {result['max_nodes']} nodes (profile {profile_path}; {result['simulated_requests']:,} "
+             f"at most {result['max_nodes']} cores (profile {profile_path}; {result['simulated_requests']:,} "
              f"requests simulated in {result['seconds']:.1f} s)", "",
-             f"{'setup':40s} {'nodes':>5s} {'attain':>7s} {'goodput/node':>12s} {'p50 TTFT':>9s} {'p99 TTFT':>9s} "
-             f"{'p50 TPOT':>9s} {'p99 TPOT':>9s}"]
+             f"{'setup':40s} {'nodes':>5s} {'cores':>5s} {'attain':>7s} {'goodput/core':>12s} {'p50 TTFT':>9s} "
+             f"{'p99 TTFT':>9s} {'p50 TPOT':>9s} {'p99 TPOT':>9s}"]
     for r in result["setups"]:
         mark = "" if r["meets"] else "  (misses the SLOs even at this size)"
-        lines.append(f"{r['setup']:40s} {r['nodes']:5d} {r['slo_attainment'] * 100:6.1f}% "
+        lines.append(f"{r['setup']:40s} {r['nodes']:5d} {r['cores']:5d} {r['slo_attainment'] * 100:6.1f}% "
                      f"{r['goodput_per_node']:12.3f} "
                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} {r['median_tpot_ms']:9.1f} "
                      f"{r['p99_tpot_ms']:9.1f}{mark}")
     lines.append("")
     pick = result["pick"]
     if pick:
-        lines.append(f"cheapest: {pick['setup']} ({pick['nodes']} nodes, {pick['family']}), "
+        cores = f", {pick['cores']} cores" if pick["cores"] != pick["nodes"] else ""
+        lines.append(f"cheapest: {pick['setup']} ({pick['nodes']} nodes{cores}, {pick['family']}), "
                      f"attainment {pick['slo_attainment'] * 100:.1f} %")
     else:  # a colocated node always fits (--max-nodes >= 1), so there is a closest setup
         best = max(result["setups"], key=lambda r: r["slo_attainment"])
-        lines.append(f"no setup of at most {result['max_nodes']} nodes meets the SLOs at {result['rate']:g} req/s: "
+        lines.append(f"no setup of at most {result['max_nodes']} cores meets the SLOs at {result['rate']:g} req/s: "
                      f"the closest, {best['setup']}, reaches {best['slo_attainment'] * 100:.1f} % "
                      f"(p99 TTFT {best['p99_ttft_ms']:.0f} ms, p99 TPOT {best['p99_tpot_ms']:.1f} ms)")
     return "\n".join(lines)

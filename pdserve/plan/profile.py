@@ -160,6 +160,22 @@ class Profile:
                        decode_step=times(self.decode_step, factors["decode"]))
 
 
+def thread_profiles(paths: list[str] | None, profile: Profile) -> dict[int, Profile]:
+    """threads -> profile for `--thread-profile` paths: profiles of the same model measured at
+    other thread counts than `profile` (`pdserve profile --threads N`), which price P or D nodes of
+    that many threads. ValueError naming the path where one is not such a profile."""
+    out: dict[int, Profile] = {}
+    own = profile.meta.get("threads", 1)
+    for path in paths or []:
+        other = Profile.load(path, model=profile.meta.get("model"), flag="--thread-profile")
+        threads = other.meta.get("threads", 1)
+        if threads == own or threads in out:
+            raise ValueError(f"--thread-profile {path}: measured at {threads} thread(s), as "
+                             f"{'--profile' if threads == own else 'another --thread-profile'} was")
+        out[threads] = other
+    return out
+
+
 def chunk_features(tokens: int, context_before: int) -> dict[str, float]:
     return {"tokens": tokens, "attention_pairs": tokens * (context_before + tokens / 2)}
 

@@ -29,7 +29,8 @@ import time
 from typing import Any
 
 from pdserve.kv.transport.shm import on_this_host
-from pdserve.launcher import StopSignal, node_command, node_roles, node_tp, print_ready, proxy_command
+from pdserve.launcher import (StopSignal, node_command, node_roles, node_threads, node_tp, print_ready,
+                              proxy_command)
 from pdserve.procs import Child, ProcessGroup, cluster_env
 from pdserve.raycluster.actor import NodeActor, NodeAddress
 
@@ -65,8 +66,9 @@ def run_up_ray(args) -> int:
     roles = node_roles(args)
     # A cluster started here counts one logical CPU per node at least (as `pdserve up` runs more
     # nodes than cores when it must).
-    # A TP node reserves --ray-cpus per rank, all in one bundle: its ranks run on the actor's host.
-    cpus = [args.ray_cpus * node_tp(args, role) for role in roles]
+    # A TP node reserves --ray-cpus per rank, all in one bundle: its ranks run on the actor's host;
+    # a node of --prefill-threads / --decode-threads N reserves N times --ray-cpus.
+    cpus = [args.ray_cpus * node_tp(args, role) * (node_threads(args, role) or 1) for role in roles]
     started_here = connect(ray, address, max(os.cpu_count() or 1, sum(cpus)))
     stop = StopSignal()
     group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))

@@ -77,7 +77,8 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
              seed: int, slos: dict[str, float], policy: str = "round_robin", transport: str = "shm",
              max_num_batched_tokens: int | None = None, chunked_prefill: bool = True, itls: bool = True,
              prefix_caching: bool | None = None, placement: str = "cost", give_up_below: float | None = None,
-             prefill_cap: int | None = None, one_host: bool = False) -> dict:
+             prefill_cap: int | None = None, one_host: bool = False,
+             thread_profiles: dict[int, Profile] | None = None) -> dict:
     """The summary `pdserve bench` would write for this workload on this setup (pdserve/workload.py).
     Every node runs the profiled node's settings, with the token budget and chunking given here;
     itls=False leaves the per-token gaps out (the planner reads TTFT and TPOT only).
@@ -91,6 +92,8 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     `prefill_cap`: every node's --max-prefill-tokens-while-decoding.
     `one_host`: every node on its own core of one host, as `pdserve up` starts them: a step runs the
     profile's co-run factors slower while another node computes (Profile.corun).
+    `thread_profiles`: threads -> a profile measured at that many, for the setup's P or D nodes of
+    more threads than `profile`'s (Setup.prefill_threads, decode_threads).
 
     `give_up_below`: stop once the SLO attainment cannot reach it (SLOWatch: more requests than it
     allows are past their TTFT deadline without a first token, or finished and missing an SLO) and
@@ -102,7 +105,7 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
     try:
         return _simulate(profile, setup, requests, rate, burstiness, seed, slos, policy, transport,
                          max_num_batched_tokens, chunked_prefill, itls, prefix_caching, placement, give_up_below,
-                         prefill_cap, one_host)
+                         prefill_cap, one_host, thread_profiles)
     except GaveUp as stop:
         return {"slo_attainment": stop.at_most, "gave_up": True, "simulated_requests": stop.arrived}
     finally:
@@ -113,10 +116,11 @@ def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate:
 def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
               seed: int, slos: dict[str, float], policy: str, transport: str, max_num_batched_tokens: int | None,
               chunked_prefill: bool, itls: bool, prefix_caching: bool | None, placement: str,
-              give_up_below: float | None, prefill_cap: int | None, one_host: bool) -> dict:
+              give_up_below: float | None, prefill_cap: int | None, one_host: bool,
+              thread_profiles: dict[int, Profile] | None) -> dict:
     turns = any(req.conversation is not None for req in requests)
     caching = prefix_caching if prefix_caching is not None else setup.mode == "auto" or turns
-    sim = Simulation(profile, one_host)
+    sim = Simulation(profile, one_host, thread_profiles)
     batching = Batching.of(profile.meta["node"], max_num_batched_tokens, chunked_prefill, prefill_cap)
     proxy = SimProxy(sim, setup, policy, transport, batching, caching, placement, slos)
     size = batching.block_size
@@ -166,6 +170,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
                     "max_prefill_tokens_while_decoding": prefill_cap,
                     "prefill_max_num_batched_tokens": setup.prefill_budget,
                     "decode_max_num_seqs": setup.decode_max_seqs,
+                    "prefill_threads": setup.prefill_threads, "decode_threads": setup.decode_threads,
                     "prefix_caching": caching, "simulated_requests": len(requests),
                     "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders)})
     if setup.mode == "auto":

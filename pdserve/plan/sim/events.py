@@ -44,9 +44,14 @@ class Costs:
 
 
 class Simulation:
-    def __init__(self, profile: Profile, one_host: bool = False) -> None:
+    def __init__(self, profile: Profile, one_host: bool = False,
+                 thread_profiles: dict[int, Profile] | None = None) -> None:
         self.profile = profile
         self.costs = Costs.of(profile)
+        # Nodes of more threads than the profile's (Setup.prefill_threads, decode_threads) step at
+        # the costs of a profile measured at that many: `pdserve profile --threads N`.
+        self.costs_by_threads = {threads: Costs.of(p) for threads, p in (thread_profiles or {}).items()}
+        self.costs_by_threads[profile.meta.get("threads", 1)] = self.costs
         # Every node on one core of one host (as `pdserve up` starts them): a step runs the
         # profile's co-run factors slower while another node computes (plan/corun.py).
         self.corun = (profile.corun["prefill"], profile.corun["decode"]) if one_host else None
@@ -54,6 +59,17 @@ class Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
+
+    def costs_for(self, threads: int | None, flag: str) -> Costs:
+        """The step costs of a node of `threads` threads (None: the profile's own); ValueError
+        naming `flag` where no profile was measured at that many."""
+        if threads is None:
+            return self.costs
+        if threads not in self.costs_by_threads:
+            raise ValueError(f"{flag} {threads}: no profile measured at {threads} thread(s) was given "
+                             f"(have {sorted(self.costs_by_threads)}); measure one with `pdserve profile "
+                             f"--threads {threads} --out P.json` and pass --thread-profile P.json")
+        return self.costs_by_threads[threads]
 
     def at(self, time: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (time, next(self._order), action))

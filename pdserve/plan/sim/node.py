@@ -20,7 +20,7 @@ from pdserve.kv.connector import ConnectorMetadata, FinishedTransfers, KVConnect
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferResult
 from pdserve.kv.params import KVTransferParams
-from pdserve.plan.sim.events import Simulation
+from pdserve.plan.sim.events import Costs, Simulation
 from pdserve.plan.sim.setup import Batching
 from pdserve.plan.sim.tracker import Tracker
 from pdserve.sampling_params import SamplingParams
@@ -104,6 +104,7 @@ class SimNode:
     batching: Batching
     prefix_caching: bool = False
     role: str = "both"  # both (colocated) | prefill | decode
+    costs: Costs | None = None  # its step costs (None: the simulation's, the profile's threads)
     busy: bool = False
     active: bool = False  # computing step after step (busy between steps too): others on its host slow down
     run: DecodeRun | None = None
@@ -117,6 +118,7 @@ class SimNode:
 
     def __post_init__(self) -> None:
         limits = self.batching
+        self.costs = self.costs or self.sim.costs
         self.cached = CachedHashes() if self.prefix_caching else None
         self.blocks = BlockManager(limits.num_blocks, limits.block_size, self.prefix_caching, events=self.cached)
         self.connector = connector_for(self.role, self.name, limits.block_size)
@@ -193,7 +195,7 @@ class SimNode:
             self._reserved(self.connector.build_connector_meta())
         if not out.scheduled:
             return  # the head of the queue waits for KV to be freed
-        costs = self.sim.costs
+        costs = self.costs
         self.busy = True
         if not self.active:
             self.active = True

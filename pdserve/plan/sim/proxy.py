@@ -60,10 +60,12 @@ class SimProxy:
 
         # auto:N: kv_both nodes (each prefills, decodes, or both per request), as `pdserve up --mode auto --nodes N`
         d_role = "decode" if setup.prefill else "kv_both" if setup.mode == "auto" else "both"
-        self.prefillers = [SimNode(sim, f"P{i}", batching.for_role(setup, "prefill"), prefix_caching, "prefill")
-                           for i in range(setup.prefill)]
+        p_costs = sim.costs_for(setup.prefill_threads, "--prefill-threads")
+        d_costs = sim.costs_for(setup.decode_threads, "--decode-threads")
+        self.prefillers = [SimNode(sim, f"P{i}", batching.for_role(setup, "prefill"), prefix_caching, "prefill",
+                                   p_costs) for i in range(setup.prefill)]
         self.decoders = [SimNode(sim, f"D{i}" if setup.prefill else f"N{i}", batching.for_role(setup, "decode"),
-                                 prefix_caching, d_role) for i in range(setup.decode)]
+                                 prefix_caching, d_role, d_costs) for i in range(setup.decode)]
         self.members = {n.name: n for n in self.prefillers + self.decoders}
         self.p_nodes = [Node(n.name, "prefill") for n in self.prefillers]
         self.d_nodes = [Node(n.name, d_role) for n in self.decoders]

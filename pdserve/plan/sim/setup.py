@@ -9,11 +9,15 @@ from dataclasses import dataclass, replace
 MODES = ("colocated", "pull", "push", "auto")
 
 
-def check_role_settings(prefill_budget: int | None, decode_max_seqs: int | None, has_p_and_d: bool,
-                        shape: str) -> None:
-    """ValueError where a per-role setting cannot apply (no P and D nodes) or is out of range."""
-    for flag, value in (("--prefill-max-num-batched-tokens", prefill_budget),
-                        ("--decode-max-num-seqs", decode_max_seqs)):
+# Per-role settings of a P/D setup: the Setup field and its `pdserve up` / `pdserve simulate` flag.
+ROLE_SETTINGS = {"prefill_budget": "--prefill-max-num-batched-tokens", "decode_max_seqs": "--decode-max-num-seqs",
+                 "prefill_threads": "--prefill-threads", "decode_threads": "--decode-threads"}
+
+
+def check_role_settings(values: dict[str, int | None], has_p_and_d: bool, shape: str) -> None:
+    """ValueError where a per-role setting (flag -> value, None: not set) cannot apply (no P and D
+    nodes) or is out of range."""
+    for flag, value in values.items():
         if value is not None and not has_p_and_d:
             raise ValueError(f"{flag} sets P and D nodes by role; {shape} has none")
         if value is not None and value < 1:
@@ -29,16 +33,23 @@ class Setup:
     # `--decode-max-num-seqs`): None keeps the node's own.
     prefill_budget: int | None = None
     decode_max_seqs: int | None = None
+    # Threads (cores) of each P / D node (`--prefill-threads`, `--decode-threads`): a node of more
+    # threads is priced by a profile measured at that many (None: the profile's own, one).
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
 
     def __post_init__(self) -> None:
-        check_role_settings(self.prefill_budget, self.decode_max_seqs, self.prefill > 0, f"{self.mode}:{self.decode}")
+        check_role_settings(self.role_settings, self.prefill > 0, f"{self.mode}:{self.decode}")
+
+    @property
+    def role_settings(self) -> dict[str, int | None]:
+        """flag -> value of every per-role setting (None: the node's own)."""
+        return {flag: getattr(self, name) for name, flag in ROLE_SETTINGS.items()}
 
     @property
     def role_flags(self) -> str:
         """The per-role settings as `pdserve up` / `pdserve simulate` take them ('' when none)."""
-        flags = [f"--prefill-max-num-batched-tokens {self.prefill_budget}"] if self.prefill_budget else []
-        flags += [f"--decode-max-num-seqs {self.decode_max_seqs}"] if self.decode_max_seqs else []
-        return " ".join(flags)
+        return " ".join(f"{flag} {value}" for flag, value in self.role_settings.items() if value)
 
     @classmethod
     def parse(cls, text: str) -> Setup:
