@@ -45,7 +45,8 @@ def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
 
 
 PREFILL_CAP_HELP = ("while streams decode, a step computes at most N prompt tokens (default: the whole budget): "
-                    "bounds the gap a long prompt adds between their tokens (an ITL SLO); needs chunked prefill")
+                    "bounds the gap a long prompt adds between their tokens (an ITL SLO); 0: none, a prompt waits "
+                    "until the node's streams have finished (prefill and decode take turns); needs chunked prefill")
 
 
 def add_role_args(parser: argparse.ArgumentParser) -> None:

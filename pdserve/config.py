@@ -136,6 +136,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # While streams decode, a step computes at most this many prompt tokens (None: the whole
     # budget): an inter-token SLO's bound on the stall a long prompt adds to every decoding stream.
+    # 0: none, so prompts wait until the streams have finished (the node's phases take turns).
     max_prefill_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -160,7 +161,7 @@ class EngineConfig:
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and (cap < 1 or not self.enable_chunked_prefill):
-            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got {cap}"
+        if cap is not None and (cap < 0 or not self.enable_chunked_prefill):
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0 and needs chunked prefill, got {cap}"
                              + ("" if self.enable_chunked_prefill else " with chunked prefill off"))
 

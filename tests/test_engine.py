@@ -221,3 +221,26 @@ def test_a_prefill_cap_while_decoding_takes_small_chunks_beside_streams_and_keep
     assert engine.block_manager.num_used_blocks == 0
     with pytest.raises(ValueError, match="needs chunked prefill"):
         LLM(str(llm_fp32.engine.model_dir), max_prefill_tokens_while_decoding=8, enable_chunked_prefill=False)
+
+
+def test_a_zero_prefill_cap_runs_a_prompt_only_once_the_streams_have_finished(llm_fp32, prompts, solo_outputs):
+    """--max-prefill-tokens-while-decoding 0: a prompt that arrives while a stream decodes computes
+    nothing until that stream's last token (every step of the stream is a decode step alone), then
+    takes the whole budget at once; both answers are the ones computed alone."""
+    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256,
+              max_num_batched_tokens=256, max_prefill_tokens_while_decoding=0, enable_prefix_caching=False)
+    engine = llm.engine
+    stream = engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()
+    long = engine.add_request(prompts[-1], GREEDY)
+    while stream.num_output_tokens < 12:
+        engine.step()
+        assert long.num_computed_tokens == 0
+    engine.step()
+    assert long.num_computed_tokens == len(prompts[-1]) and long.num_output_tokens == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert long.output_token_ids == solo_outputs[-1]
+    assert stream.output_token_ids == llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=12,
+                                                                                ignore_eos=True))[0].token_ids
+    assert engine.block_manager.num_used_blocks == 0

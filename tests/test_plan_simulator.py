@@ -425,6 +425,12 @@ def test_a_prefill_cap_while_decoding_bounds_a_streams_longest_gap_to_one_small_
     assert 0.074 + 0.025 + 100e-5 < max(capped["itls"][0]) < 0.074 + 0.025 + 140e-5
     assert capped["ttfts"][1] > plain["ttfts"][1]
     assert capped["max_prefill_tokens_while_decoding"] == 64 and capped["completed"] == 2
+    # A cap of 0: B's prompt waits for A's last token, so A's gaps are all decode steps and B's
+    # first token comes after A's end (A arrives at 0 and B 0.1 s later, at rate 10 with no jitter).
+    turns = run("colocated:1", requests, rate=10.0, prefill_cap=0)
+    assert max(turns["itls"][0]) < 0.025 + 140e-5
+    a_end = turns["start_times"][0] + turns["e2els"][0]
+    assert turns["start_times"][1] + turns["ttfts"][1] > a_end + 0.020 + 0.512  # then B's first chunk
     with pytest.raises(ValueError, match="needs chunked prefill"):
         run("colocated:1", requests, prefill_cap=64, chunked_prefill=False)
 

@@ -50,3 +50,40 @@ def test_a_preempted_request_queues_behind_the_waiting_requests_that_hold_their_
     assert [r.num_output_tokens for r in reqs] == [3, 3, 6], f"no progress after {step + 1} steps"
     assert all(r.status.finished for r in reqs)
     assert scheduler.block_manager.num_free_blocks == 8
+
+
+def test_a_zero_prefill_cap_holds_prompts_until_the_streams_finish_but_admits_loads():
+    """--max-prefill-tokens-while-decoding 0: while S decodes, the local prompt P computes nothing
+    (the stream's gaps stay one decode step), while L, whose KV is loaded from elsewhere and which
+    arrived first, is admitted at once (loading computes nothing here; the queue stays first come
+    first served, so a load behind a held prompt waits with it and the streams drain). Once S has
+    finished, P takes its whole prompt in one step: the node's prefill and decode take turns, and
+    every request finishes."""
+    connector = KVConnectorScheduler(KVTransferConfig(role="decode"), 4, HeldBlocks(math.inf), "D")
+    scheduler = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), 8, 16, True, connector=connector,
+                          clock=lambda: 0.0, prefill_cap=0)
+    stream, prompt, loaded = make_request(list(range(4)), "S", 6), make_request(list(range(8)), "P", 2), \
+        loaded_request("L", 8, 3)
+
+    def step() -> list[str]:
+        out = scheduler.schedule()
+        connector.build_connector_meta()
+        scheduler.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+        return [s.request.request_id for s in out.scheduled]
+
+    scheduler.add(stream)
+    assert step() == ["S"] and stream.num_output_tokens == 1  # nothing decoding yet: the prompt runs
+    scheduler.add(loaded)
+    scheduler.add(prompt)
+    assert step() == ["S"] and "L" in scheduler.loading and prompt.num_computed_tokens == 0
+    scheduler.update_kv_transfers(FinishedTransfers(received=[TransferResult("L", None, "pull")]))
+    while not stream.status.finished:
+        step()
+        assert prompt.num_computed_tokens == 0
+    while prompt.num_computed_tokens == 0:
+        step()
+    assert prompt.num_computed_tokens == 8  # the whole prompt in one step
+    while scheduler.has_unfinished():
+        step()
+    assert [r.num_output_tokens for r in (stream, prompt, loaded)] == [6, 2, 3]
+    assert scheduler.block_manager.num_free_blocks == 64

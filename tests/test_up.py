@@ -167,9 +167,9 @@ def test_per_role_threads_reach_their_role_and_pin_as_many_cores():
     (["--placement", "pack"], "--ray-placement pack places Ray actors: it needs --ray"),  # issue 17's spelling
     (["--placement", "cost", "--placement", "threshold"], "--placement takes one rule, got ['cost', 'threshold']"),
     (["--no-chunked-prefill", "--max-prefill-tokens-while-decoding", "64"],
-     "max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got 64 with chunked prefill off"),
-    (["--max-prefill-tokens-while-decoding", "0"],
-     "max_prefill_tokens_while_decoding must be >= 1 and needs chunked prefill, got 0"),
+     "max_prefill_tokens_while_decoding must be >= 0 and needs chunked prefill, got 64 with chunked prefill off"),
+    (["--max-prefill-tokens-while-decoding", "-1"],
+     "max_prefill_tokens_while_decoding must be >= 0 and needs chunked prefill, got -1"),
     (["--rate", "0.5"], "--rate / --workload describe the load auto's shape is chosen for: they need "
                         "--mode auto --nodes N --slo ... (and --shape plan, the default)"),
     (["--mode", "auto", "--nodes", "2", "--slo", "itl:70", "--workload", "poems", "--profile", str(SIXTH_PROFILE)],

@@ -11,6 +11,8 @@ for real with `pdserve up`, one core per node:
   a  colocated x2             b  colocated x2, chunked prefill (256-token steps)
   c  1P1D pull                d  1P1D push
   f  1P1D pull, D at most 8 streams (the planner's per-role pick for chat under an ITL SLO)
+  g  colocated x2 whose prefill and decode take turns (--max-prefill-tokens-while-decoding 0: a
+     prompt waits until the node's streams have finished, so no prefill lands in a stream's gap)
   e  auto at 2 nodes, with the run's profile, run once per SLO set with that set's SLOs and the
      workload's name: it runs as the shape of 2 nodes the simulator picks for them (plan/shape.py:
      2 kv_both nodes, or 1P1D; the map records which, `auto_shapes`), then places each request
@@ -22,7 +24,7 @@ request's longest gap between two tokens) and ITL alone; each auto run against i
 study's: TTFT 2x its long-prompt TTFT, TPOT 1.5x and ITL ITL_SCALE x its decode step.
 
 A cell (workload, SLO set, rate) names the setup of most goodput (mean over --runs runs), its
-margin over the best setup of another kind (colocated: a, b; PD: c, d; auto: e), PD's best over
+margin over the best setup of another kind (colocated: a, b, g; PD: c, d, f; auto: e), PD's best over
 colocated's best and auto over the best static setup, with the runs' spread as the noise. The
 simulated map (--nodes) prices the same cells at N nodes with the planner's families of each kind,
 each as the whole N-node cluster at rate x N / 2 (the profile's costs).
@@ -54,8 +56,10 @@ from pdserve.workload import goodput_items
 SETUPS = {**STUDY_SETUPS, "e": Setup("e", "auto at 2 nodes", ("--mode", "auto", "--nodes", "2"), "auto:2"),
           # the planner's per-role pick for chat under an ITL SLO on the shipped profile (`pdserve plan --nodes 2`)
           "f": Setup("f", "1P1D pull, D at most 8 streams", ("--mode", "pull", "--decode-max-num-seqs", "8"),
-                     "pull:1P1D")}
-KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto", "f": "PD"}
+                     "pull:1P1D"),
+          "g": Setup("g", "colocated x2, prefill and decode take turns",
+                     ("--colocated", "2", "--max-prefill-tokens-while-decoding", "0"), "colocated:2")}
+KINDS = {"a": "colocated", "b": "colocated", "c": "PD", "d": "PD", "e": "auto", "f": "PD", "g": "colocated"}
 RATES = {"chat": [0.5, 0.75, 1.0], "summarize": [0.2, 0.35, 0.5], "generate": [0.15, 0.3, 0.45]}
 ITL_SCALE = 4.0  # the ITL SLO over the idle decode step: room for one short prefill beside it
 

@@ -294,7 +294,8 @@ class LLMEngine:
                 "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower(),
-                "max_prefill_tokens_while_decoding": str(self.config.max_prefill_tokens_while_decoding or "budget"),
+                "max_prefill_tokens_while_decoding": "budget" if self.config.max_prefill_tokens_while_decoding is None
+                else str(self.config.max_prefill_tokens_while_decoding),
                 "max_num_seqs": str(self.config.max_num_seqs), "threads": str(torch.get_num_threads()),
                 "max_num_batched_tokens": str(self.scheduler.max_num_batched_tokens)}
 

@@ -77,8 +77,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        if prefill_cap is not None and (prefill_cap < 1 or not enable_chunked_prefill):
-            raise ValueError(f"a prefill cap while decoding needs chunked prefill and >= 1 token, got {prefill_cap}")
+        if prefill_cap is not None and (prefill_cap < 0 or not enable_chunked_prefill):
+            raise ValueError(f"a prefill cap while decoding needs chunked prefill and >= 0 tokens, got {prefill_cap}")
         self.prefill_cap = prefill_cap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -142,12 +142,15 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            remote = self.connector is not None and wants_remote_prefill(req.kv_transfer_params)
+            if budget <= 0 and not remote:  # a prompt whose KV is loaded computes nothing here: no budget needed
+                break
             prefix = self.block_manager.match_prefix(req) if req.num_computed_tokens == 0 else []
             # Tokens computed once the prefix hit is taken (a fork's shared blocks too).
             cached = req.num_computed_tokens + (len(prefix[0]) if prefix else 0) * self.block_manager.block_size
-            if self.connector is not None and wants_remote_prefill(req.kv_transfer_params):
+            if remote:
                 if not self._start_remote_load(req, prefix, self.connector.get_num_new_matched_tokens(req, cached)):
                     break
                 continue

@@ -81,7 +81,7 @@ class Family:
 
     def setup(self, units: int) -> str:
         """The whole cluster, as `pdserve simulate --setup` and `pdserve up` name it."""
-        cap = f" (--max-prefill-tokens-while-decoding {self.prefill_cap})" if self.prefill_cap else ""
+        cap = f" (--max-prefill-tokens-while-decoding {self.prefill_cap})" if self.prefill_cap is not None else ""
         if self.mode == "colocated":
             return f"colocated:{units * self.decode}" + ("" if self.chunked else " (no chunked prefill)") + cap
         if self.mode == "auto" and not self.prefill:
@@ -91,7 +91,8 @@ class Family:
 
     @property
     def name(self) -> str:
-        cap = f", prefill cap {self.prefill_cap} while decoding" if self.prefill_cap else ""
+        cap = "" if self.prefill_cap is None else (f", prefill cap {self.prefill_cap} while decoding" if self.prefill_cap
+                                                   else ", prefill and decode take turns")
         if self.mode == "auto" and not self.prefill:
             return f"auto, {self.decode} kv_both nodes a unit{cap}"
         if self.mode == "colocated":

@@ -277,9 +277,10 @@ def measure_transfers(points: ProfilePoints) -> list[dict]:
 
 def corun_factors(engine: LLMEngine, config: EngineConfig, seed: int) -> dict[str, float]:
     """speed_index on one core while a twin engine computes on another, over speed_index alone on
-    it; 1.0 where this process may use one core only."""
+    it; 1.0 where this process may use one core only, or for a profile of more threads (one core
+    could not hold them: `pdserve up` gives such a node cores of its own)."""
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
+    if len(cores) < 2 or (config.threads or 1) > 1:
         return dict(NO_CORUN)
     with pinned(cores[0]):
         alone = speed_index(engine, seed)

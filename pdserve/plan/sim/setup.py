@@ -89,8 +89,8 @@ class Batching:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
         if not chunked:  # a profile without max_model_len: no prompt is too long for one step
             budget = max(budget, node.get("max_model_len", 1 << 30))
-        if prefill_cap is not None and (prefill_cap < 1 or not chunked):
-            raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 1 and needs chunked prefill, got {prefill_cap}")
+        if prefill_cap is not None and (prefill_cap < 0 or not chunked):
+            raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 0 and needs chunked prefill, got {prefill_cap}")
         return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"], node.get("block_size", 16),
                    prefill_cap)
 
