@@ -125,6 +125,9 @@ def test_plan_cli_answers_and_refuses_bad_input(tmp_path):
     assert impossible.returncode == 1
     assert "no setup of at most 4 cores meets the SLOs at 4 req/s: the closest" in impossible.stdout
 
+    same_threads = plan_cli(*common, "--thread-profile", str(profile), "--rate", "1", "--goodput", "ttft:3000")
+    assert same_threads.returncode == 2
+    assert f"--thread-profile {profile}: measured at 1 thread(s), as --profile was" in same_threads.stderr
     other_model = plan_cli(*common, "--model", "Qwen", "--rate", "1", "--goodput", "ttft:3000")
     assert other_model.returncode == 2 and "not of 'Qwen'" in other_model.stderr
     not_profile = tmp_path / "bench.json"
