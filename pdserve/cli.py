@@ -233,7 +233,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         from pdserve.plan.profile_cache import profile_for
 
         args.profile = str(profile_for(nodes)[0])  # cached, or measured now (it says which)
-    if args.mode == "auto" and args.nodes and args.slo and args.shape == "plan":
+    shape_picked = args.mode == "auto" and args.nodes and args.slo and args.shape == "plan"
+    if shape_picked:
         choose_auto_shape(args)
     elif args.rate or args.workload:
         raise ValueError("--rate / --workload describe the load auto's shape is chosen for: they need "
@@ -243,8 +244,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_role_settings(role_settings(args), not args.colocated and not args.nodes,
                         f"--colocated {args.colocated}" if args.colocated else f"--nodes {args.nodes} (kv_both nodes)")
     check_role_threads(args)
-    if args.mode == "auto" and args.slo and args.max_prefill_tokens_while_decoding is None:
-        itl_prefill_cap(args)
+    if args.mode == "auto" and args.slo and not shape_picked and args.max_prefill_tokens_while_decoding is None:
+        itl_prefill_cap(args)  # a picked shape brought its own (choose_auto_shape)
     if args.ray is not None:
         if args.ray_cpus <= 0:
             raise ValueError(f"--ray-cpus must be > 0, got {args.ray_cpus}")
@@ -287,14 +288,16 @@ def choose_auto_shape(args: argparse.Namespace) -> None:
         # The shape's per-role settings, where the command line gives none.
         args.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or pick.family.prefill_budget
         args.decode_max_num_seqs = args.decode_max_num_seqs or pick.family.decode_max_seqs
-    elif not pick.family.chunked:
-        args.no_chunked_prefill = True
+    else:  # kv_both nodes with the shape's batching, where the command line gives none
+        args.no_chunked_prefill = args.no_chunked_prefill or not pick.family.chunked
+        if args.max_prefill_tokens_while_decoding is None and not args.no_chunked_prefill:
+            args.max_prefill_tokens_while_decoding = pick.family.prefill_cap
 
 
 def itl_prefill_cap(args: argparse.Namespace) -> None:
-    """Auto mode under an ITL SLO: each node also caps the prompt tokens a step takes while streams
-    decode, at the largest chunk the profile says keeps such a step within the SLO; none where not
-    even the smallest chunk does (a cap would then only queue the prompts)."""
+    """Auto mode under an ITL SLO (its shape given, not picked): each node also caps the prompt
+    tokens a step takes while streams decode, at the largest chunk the profile says keeps such a
+    step within the SLO; 0 where not even the smallest chunk does (prefill and decode take turns)."""
     from pdserve.plan.planner import prefill_cap_for
     from pdserve.plan.profile import Profile
     from pdserve.workload import parse_goodput
@@ -303,12 +306,12 @@ def itl_prefill_cap(args: argparse.Namespace) -> None:
     if itl_ms is None or args.no_chunked_prefill:
         return
     log = logging.getLogger("pdserve")
-    cap = prefill_cap_for(Profile.load(args.profile), itl_ms / 1e3)
-    if cap is None:
-        log.info("auto mode, ITL SLO %g ms: no prefill cap while streams decode, as the profile says even a 16-token "
-                 "chunk beside a decode step misses it (--max-prefill-tokens-while-decoding sets one)", itl_ms)
+    cap = args.max_prefill_tokens_while_decoding = prefill_cap_for(Profile.load(args.profile), itl_ms / 1e3)
+    if cap == 0:
+        log.info("auto mode, ITL SLO %g ms: every node's prefill and decode take turns (a prompt waits until the "
+                 "node's streams have finished), as the profile says even a 16-token chunk beside a decode step "
+                 "misses it (--max-prefill-tokens-while-decoding sets another cap)", itl_ms)
         return
-    args.max_prefill_tokens_while_decoding = cap
     log.info("auto mode, ITL SLO %g ms: every node computes at most %d prompt tokens a step while streams decode "
              "(--max-prefill-tokens-while-decoding; give it to choose another)", itl_ms, cap)
 

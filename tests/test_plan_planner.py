@@ -36,11 +36,14 @@ def test_each_family_gets_its_smallest_passing_size():
 def test_under_an_itl_slo_the_planner_also_tries_colocated_nodes_with_a_prefill_cap_that_fits_it():
     """Known costs: a decode step of 8 streams of 1024 tokens takes 20 + 40 + 81.92 ms; 75 % of a
     400 ms ITL leaves 158 ms for a chunk of 10 ms + 1 ms/token: 144 tokens (whole blocks). At 200 ms
-    (150 ms: 8 ms for a chunk) not even 16 tokens fit, and no capped family is tried."""
+    (150 ms: 8 ms for a chunk) not even 16 tokens fit: the capped families take turns (a cap of 0)."""
     profile = known_profile()
-    assert prefill_cap_for(profile, 0.4) == 144 and prefill_cap_for(profile, 0.2) is None
+    assert prefill_cap_for(profile, 0.4) == 144 and prefill_cap_for(profile, 0.2) == 0
     tight = families(profile, {"max_itl_ms": 200.0})
-    assert [f for f in tight if f.prefill_cap is not None] == [] and tight[-1] == Family("auto", 0, 2)
+    assert [f.prefill_cap for f in tight if f.prefill_cap is not None] == [0, 0]
+    assert Family("colocated", 0, 1, prefill_cap=0) in tight and tight[-1] == Family("auto", 0, 2, prefill_cap=0)
+    assert Family("colocated", 0, 1, prefill_cap=0).setup(2) == "colocated:2 (--max-prefill-tokens-while-decoding 0)"
+    assert Family("colocated", 0, 1, prefill_cap=0).name == "colocated, prefill and decode take turns"
     assert Family("colocated", 0, 1, prefill_cap=144) not in families(profile, SLOS)
     slos = {"ttft_ms": 5000.0, "max_itl_ms": 400.0}
     assert Family("colocated", 0, 1, prefill_cap=144) in families(profile, slos)

@@ -133,6 +133,22 @@ def test_up_with_a_tp3_prefill_node_answers_the_readme_curl(tmp_path):
     assert "1 prefill (TP 3) + 1 decode (TP 1)" in (tmp_path / "up.log").read_text()
 
 
+def test_up_with_a_p_node_of_two_threads_answers_the_readme_curl(tmp_path):
+    """--prefill-threads 2: the P node computes on 2 threads, the D node on 1 (pinned where the
+    machine has 3 cores, else not); the answer is the README's."""
+    up = up_child(["--kv-cache-memory", "0.15", "--prefill-threads", "2"], log_path=str(tmp_path / "up.log"))
+    up.start()
+    try:
+        ProcessGroup().wait_ready([up], 240)
+        answer = httpx.post(up.url + "/v1/chat/completions", json=CHAT, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+        nodes = nodes_with_engine_info(up.url)
+        assert sorted((n["role"], n["engine"]["threads"]) for n in nodes) == [("decode", "1"), ("prefill", "2")]
+    finally:
+        assert up.stop(grace_s=30) == 0
+
+
 def test_a_tp_size_that_cannot_split_the_model_stops_up_before_any_node_starts():
     run = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), "--decode-tp", "2"],
                          capture_output=True, text=True, timeout=120)
@@ -177,7 +193,8 @@ def test_per_role_threads_reach_their_role_and_pin_as_many_cores():
     (["--colocated", "2", "--decode-max-num-seqs", "4"],
      "--decode-max-num-seqs sets P and D nodes by role; --colocated 2 has none"),
     (["--prefill-max-num-batched-tokens", "0"], "--prefill-max-num-batched-tokens must be >= 1, got 0"),
-    (["--colocated", "2", "--prefill-threads", "2"], "--prefill-threads sets P and D nodes by role; --colocated 2 has none"),
+    (["--colocated", "2", "--prefill-threads", "2"],
+     "--prefill-threads sets P and D nodes by role; --colocated 2 has none"),
     (["--decode-threads", "0"], "--decode-threads must be >= 1, got 0"),
     (["--prefill-tp", "3", "--prefill-threads", "2"],
      "--prefill-threads sets a one-process node's threads; a TP node's ranks share the cores (--prefill-tp 3)"),
@@ -220,9 +237,10 @@ def test_up_auto_without_a_profile_measures_one_then_starts_from_the_cached_one(
         assert profile["meta"]["engine"]["quantization"] == "none"
 
 
-def test_auto_gives_no_prefill_cap_where_the_itl_slo_fits_no_chunk_beside_a_decode_step(caplog):
-    """At ITL 100 ms this profile's decode step of 8 streams (129 ms) misses the SLO alone: a cap
-    would only queue the prompts, so the nodes get none, and the log says why."""
+def test_auto_makes_prefill_and_decode_take_turns_where_the_itl_slo_fits_no_chunk_beside_a_decode_step(caplog):
+    """At ITL 100 ms this profile's decode step of 8 streams (129 ms) misses the SLO alone: any step
+    that prefilled beside streams would miss it, so each node's prompts wait until its streams have
+    finished (a cap of 0), and the log says why."""
     import argparse
     import logging
 
@@ -233,24 +251,26 @@ def test_auto_gives_no_prefill_cap_where_the_itl_slo_fits_no_chunk_beside_a_deco
                               max_prefill_tokens_while_decoding=None)
     with caplog.at_level(logging.INFO, logger="pdserve"):
         itl_prefill_cap(args)
-    assert args.max_prefill_tokens_while_decoding is None
-    assert "no prefill cap while streams decode" in caplog.text
-    args.slo = ["itl:1000"]
+    assert args.max_prefill_tokens_while_decoding == 0
+    assert "every node's prefill and decode take turns" in caplog.text
+    args.slo, args.max_prefill_tokens_while_decoding = ["itl:1000"], None
     itl_prefill_cap(args)
     assert args.max_prefill_tokens_while_decoding == 192
 
 
 def test_up_auto_under_an_itl_slo_caps_each_nodes_prefill_while_decoding(tmp_path, smollm_dir):
-    """--slo itl:1000 in auto mode: every node gets the prefill cap the profile says keeps a step
-    within it (the planner's prefill_cap_for), says so, and reports it in its engine info."""
+    """--slo itl:1000 in auto mode over kv_both nodes it was given (--shape kv_both: no shape picked,
+    which would bring its own): every node gets the prefill cap the profile says keeps a step within
+    it (the planner's prefill_cap_for), says so, and reports it in its engine info."""
     from pdserve.plan.planner import prefill_cap_for
     from pdserve.plan.profile import Profile
 
     profile = Path(__file__).resolve().parent.parent / "docs/results/profile.json"
     cap = prefill_cap_for(Profile.load(profile), 1.0)
     assert cap > 16  # a cap this profile fits beside a decode step
-    up = up_child(["--mode", "auto", "--nodes", "1", "--model", str(smollm_dir), "--kv-cache-memory", "0.15",
-                   "--profile", str(profile), "--slo", "ttft:60000", "itl:1000"], log_path=str(tmp_path / "up.log"))
+    up = up_child(["--mode", "auto", "--nodes", "1", "--shape", "kv_both", "--model", str(smollm_dir),
+                   "--kv-cache-memory", "0.15", "--profile", str(profile), "--slo", "ttft:60000", "itl:1000"],
+                  log_path=str(tmp_path / "up.log"))
     up.start()
     try:
         ProcessGroup().wait_ready([up], 180)
@@ -263,21 +283,20 @@ def test_up_auto_under_an_itl_slo_caps_each_nodes_prefill_while_decoding(tmp_pat
 
 
 def test_up_auto_under_an_itl_slo_runs_as_the_shape_the_simulator_picks(tmp_path, smollm_dir):
-    """`up --mode auto --nodes 2 --slo itl:69` on the sixth look's profile: the simulator finds 1P1D
-    best for chat under that SLO (as measured), so auto starts one P and one D node, says so, and
-    places requests over them; greedy answers match the colocated engine's."""
+    """`up --mode auto --nodes 2 --slo itl:69` on the sixth look's profile: the simulator finds two
+    colocated nodes whose prefill and decode take turns best for chat under that SLO (as the ninth
+    look measured), so auto starts two kv_both nodes with a prefill cap of 0, says so, and places
+    requests over them; greedy answers match."""
     up = up_child(["--mode", "auto", "--nodes", "2", "--model", str(smollm_dir), "--kv-cache-memory", "0.15",
                    "--profile", str(SIXTH_PROFILE), "--slo", "itl:69"], log_path=str(tmp_path / "up.log"))
     pick = shape_for(Profile.load(SIXTH_PROFILE), "chat", {"max_itl_ms": 69.0}, 2)
+    assert pick.setup == "colocated:2 (--max-prefill-tokens-while-decoding 0)"
     up.start()
     try:
         ProcessGroup().wait_ready([up], 180)
-        engines = {n["role"]: n["engine"] for n in nodes_with_engine_info(up.url)}
-        assert sorted(engines) == ["decode", "prefill"]
-        # with the shape's per-role settings (D's most streams, P's token budget), each on its own role
-        assert engines["decode"]["max_num_seqs"] == str(pick.family.decode_max_seqs or 64)
-        assert engines["prefill"]["max_num_batched_tokens"] == str(pick.family.prefill_budget or 2048)
-        assert engines["prefill"]["max_num_seqs"] == "64" and engines["decode"]["max_num_batched_tokens"] == "2048"
+        nodes = nodes_with_engine_info(up.url)
+        assert sorted(n["role"] for n in nodes) == ["kv_both", "kv_both"]
+        assert all(n["engine"]["max_prefill_tokens_while_decoding"] == "0" for n in nodes)
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
         answers = [httpx.post(up.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
         assert all(a.status_code == 200 for a in answers), answers[0].text
@@ -286,4 +305,5 @@ def test_up_auto_under_an_itl_slo_runs_as_the_shape_the_simulator_picks(tmp_path
     finally:
         assert up.stop(grace_s=30) == 0
     log = (tmp_path / "up.log").read_text()
-    assert "auto mode, 2 nodes, workload chat: runs as pull:1P1D" in log, log[-3000:]
+    assert "auto mode, 2 nodes, workload chat: runs as colocated:2 (--max-prefill-tokens-while-decoding 0)" in log, \
+        log[-3000:]

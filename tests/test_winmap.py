@@ -124,8 +124,8 @@ def test_add_to_defaults_to_the_earlier_maps_path_and_workloads(tmp_path):
 
 
 def test_the_map_records_the_shape_auto_ran_as():
-    """Auto's runs pick their shape as `pdserve up` does; on the sixth look's profile and SLOs, 1P1D
-    with D at most 8 streams under the ITL sets and colocated under TTFT + TPOT."""
+    """Auto's runs pick their shape as `pdserve up` does; on the sixth look's profile and SLOs,
+    colocated nodes taking turns (a prefill cap of 0) under the ITL sets, colocated under TTFT + TPOT."""
     import json
     from pathlib import Path
 
@@ -133,7 +133,7 @@ def test_the_map_records_the_shape_auto_ran_as():
     res = json.loads((results / "winmap_nogil.json").read_text())
     res["profile_path"] = str(results / "winmap_first_token_profile.json")
     shapes = auto_shapes(res, "chat", {"itl", "ttft+itl", "ttft+tpot"})
-    tuned = "pull:1P1D (--decode-max-num-seqs 8)"
+    tuned = "colocated:2 (--max-prefill-tokens-while-decoding 0)"
     assert shapes == {"itl": tuned, "ttft+itl": tuned, "ttft+tpot": "colocated:2"}
     res["workloads"]["chat"]["auto_shapes"] = shapes
     res["map"] = measured_map(res)

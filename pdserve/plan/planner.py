@@ -91,8 +91,8 @@ class Family:
 
     @property
     def name(self) -> str:
-        cap = "" if self.prefill_cap is None else (f", prefill cap {self.prefill_cap} while decoding" if self.prefill_cap
-                                                   else ", prefill and decode take turns")
+        cap = ("" if self.prefill_cap is None else ", prefill and decode take turns" if self.prefill_cap == 0
+               else f", prefill cap {self.prefill_cap} while decoding")
         if self.mode == "auto" and not self.prefill:
             return f"auto, {self.decode} kv_both nodes a unit{cap}"
         if self.mode == "colocated":
@@ -120,25 +120,25 @@ def families(profile: Profile | None = None, slos: dict[str, float] | None = Non
     cap = None
     if profile is not None and slos and "max_itl_ms" in slos:
         cap = prefill_cap_for(profile, slos["max_itl_ms"] / 1e3)
-        if cap is not None:
-            out.append(Family("colocated", 0, 1, prefill_cap=cap))
+        out.append(Family("colocated", 0, 1, prefill_cap=cap))
     for mode in ("pull", "push"):
         out += [Family(mode, p, d) for p, d in RATIOS]
     return out + [Family("auto", 0, 2, prefill_cap=cap)]  # as `pdserve up --mode auto --slo itl:MS` caps them
 
 
 def prefill_cap_for(profile: Profile, itl_s: float, seqs: int = 8, context: int = 1024,
-                    share: float = 0.75) -> int | None:
+                    share: float = 0.75) -> int:
     """The largest prompt chunk (whole blocks of 16) that a step beside `seqs` decoding streams of
     `context` tokens can take and stay within `share` of the ITL SLO (the rest: serving's hops and
-    the host's noise). None where not even 16 tokens fit: then every step that prefills misses the
-    SLO, capped or not, and a cap would only stretch the prompts' prefill over more such steps
-    (session 29's win map: a 16-token cap queued prompts to a p99 TTFT of 7.7-10.6 s)."""
+    the host's noise). 0 where not even 16 tokens fit: then every step that prefills beside a
+    stream misses the SLO, so a prompt waits until the node's streams have finished (prefill and
+    decode take turns; a small cap would only stretch the prefill over more such steps: session
+    29's 16-token cap queued prompts to a p99 TTFT of 7.7-10.6 s)."""
     step = profile.decode_step_time(seqs, seqs * context)
     cap = 0
     while cap < 8192 and step + profile.prefill_chunk_time(cap + 16, context) <= share * itl_s:
         cap += 16
-    return cap or None
+    return cap
 
 
 @dataclass
@@ -244,7 +244,9 @@ def rank(choice: Choice) -> tuple:
 def row(choice: Choice, rate: float) -> dict:
     s = choice.summary
     return {"family": choice.family.name, "setup": choice.family.setup(choice.units), "nodes": choice.nodes,
-            "cores": choice.cores, "meets": choice.meets, "slo_attainment": s["slo_attainment"], "goodput": choice.goodput(rate),
+            "cores": choice.cores, "meets": choice.meets, "slo_attainment": s["slo_attainment"],
+            "goodput": choice.goodput(rate),
+            # per one-thread node, i.e. per core (the name kept for earlier plans' JSON)
             "goodput_per_node": choice.goodput(rate) / choice.cores, "median_ttft_ms": s["median_ttft_ms"],
             "p99_ttft_ms": s["p99_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"], "p99_tpot_ms": s["p99_tpot_ms"]}
 

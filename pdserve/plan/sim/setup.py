@@ -90,7 +90,8 @@ class Batching:
         if not chunked:  # a profile without max_model_len: no prompt is too long for one step
             budget = max(budget, node.get("max_model_len", 1 << 30))
         if prefill_cap is not None and (prefill_cap < 0 or not chunked):
-            raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 0 and needs chunked prefill, got {prefill_cap}")
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 0 and needs chunked prefill, "
+                             f"got {prefill_cap}")
         return cls(budget, chunked, node["max_num_seqs"], node["kv_capacity_tokens"], node.get("block_size", 16),
                    prefill_cap)
 
