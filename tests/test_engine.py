@@ -189,13 +189,18 @@ def test_bad_prompts(llm_fp32):
     assert not llm_fp32.engine.has_unfinished_requests()  # nothing half-queued
 
 
+def capped_llm(llm_fp32: LLM, cap: int) -> LLM:
+    """The float32 model with a 256-token budget and --max-prefill-tokens-while-decoding `cap`."""
+    return LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256,
+               max_num_batched_tokens=256, max_prefill_tokens_while_decoding=cap, enable_prefix_caching=False)
+
+
 def test_a_prefill_cap_while_decoding_takes_small_chunks_beside_streams_and_keeps_every_token(llm_fp32, prompts,
                                                                                               solo_outputs):
     """--max-prefill-tokens-while-decoding 8: beside a decoding stream a long prompt advances at most 8
     tokens a step (each of the stream's gaps grows by an 8-token chunk, not by the whole prefill);
     alone it takes the whole budget; every answer is the one computed alone."""
-    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256,
-              max_num_batched_tokens=256, max_prefill_tokens_while_decoding=8, enable_prefix_caching=False)
+    llm = capped_llm(llm_fp32, 8)
     engine = llm.engine
     stream = engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     engine.step()
@@ -227,8 +232,7 @@ def test_a_zero_prefill_cap_runs_a_prompt_only_once_the_streams_have_finished(ll
     """--max-prefill-tokens-while-decoding 0: a prompt that arrives while a stream decodes computes
     nothing until that stream's last token (every step of the stream is a decode step alone), then
     takes the whole budget at once; both answers are the ones computed alone."""
-    llm = LLM(str(llm_fp32.engine.model_dir), dtype="float32", quantization="none", num_kv_blocks=256,
-              max_num_batched_tokens=256, max_prefill_tokens_while_decoding=0, enable_prefix_caching=False)
+    llm = capped_llm(llm_fp32, 0)
     engine = llm.engine
     stream = engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     engine.step()
