@@ -62,6 +62,9 @@ def test_the_measured_map_report_and_plot_from_runs(tmp_path):
     assert entry["rates"] == rates and entry["setups"]["e:itl"] == entry["setups"]["e:ttft+itl"] == []
     assert len(entry["setups"]["a"]) == 2 and len(entry["setups"]["e:ttft+tpot"]) == 1 and "e" not in entry["setups"]
     assert open_entry(res, "chat", rates, [("a", "ttft+tpot")]) == {"rates": rates, "setups": {"a": []}}
+    # --append: a second run of a point goes beside the first.
+    again = open_entry(res, "summarize", rates, [("a", "ttft+tpot"), ("b", "ttft+tpot")], append=True)
+    assert len(again["setups"]["a"]) == 2 and again["setups"]["b"] == []
 
 
 def test_the_planners_pick_is_scored_against_the_measured_winner():

@@ -4,6 +4,7 @@
         [--setups a b c d e] [--min-prompts 40] [--seconds-per-rate 60] [--nodes 2 8 64]
     python -m pdserve.benchmarks.winmap --from-json docs/results/winmap.json   # map, plot and docs again
     python -m pdserve.benchmarks.winmap --add-to docs/results/winmap.json --setups e   # auto again, same SLOs
+    python -m pdserve.benchmarks.winmap --add-to docs/results/winmap.json --setups g --runs 1 --append  # one run more
 
 Workloads are bench's named datasets (`chat` = mixed, `summarize` prefill-heavy, `generate`
 decode-heavy), each at three rates (RATES; --rates-for NAME=R1,R2,R3). Every 2-node setup runs
@@ -297,13 +298,19 @@ def earlier_map(path: str, args) -> dict:
     return res
 
 
-def open_entry(res: dict, workload: str, rates: list[float], runs: list[tuple[str, str]]) -> dict:
-    """The workload's entry in `res`, its `runs` (setup, SLO set) emptied for new runs; the others'
-    runs kept (an earlier map's single auto run, `e`, goes where auto runs again)."""
+def open_entry(res: dict, workload: str, rates: list[float], runs: list[tuple[str, str]],
+               append: bool = False) -> dict:
+    """The workload's entry in `res`, its `runs` (setup, SLO set) emptied for new runs, or with
+    `append` kept for more (a second run of a point, later); the others' runs kept (an earlier
+    map's single auto run, `e`, goes where auto runs again)."""
     entry = res["workloads"].setdefault(workload, {"rates": rates, "setups": {}})
     if any(KINDS[key] == "auto" for key, _ in runs):
         entry["setups"].pop("e", None)
-    entry["setups"].update({run_key(key, name): [] for key, name in runs})
+    for key, name in runs:
+        if append:
+            entry["setups"].setdefault(run_key(key, name), [])
+        else:
+            entry["setups"][run_key(key, name)] = []
     return entry
 
 
@@ -339,10 +346,14 @@ def main() -> None:
     parser.add_argument("--from-json", default=None, metavar="PATH", help="map, plot and docs from an earlier run")
     parser.add_argument("--add-to", default=None, metavar="PATH",
                         help="run --setups again within an earlier map (its profile, SLOs and rates); their runs "
-                             "there are replaced, the others kept")
+                             "there are replaced (with --append: kept, and these runs added), the others kept")
+    parser.add_argument("--append", action="store_true",
+                        help="with --add-to: add --runs more runs of --setups beside their earlier ones")
     parser.add_argument("--auto-slo-sets", nargs="+", default=None, choices=["ttft+tpot", "ttft+itl", "itl"],
                         help="the SLO sets auto runs tuned to (default: all)")
     args = parser.parse_args()
+    if args.append and not args.add_to:
+        parser.error("--append adds runs to an earlier map: give --add-to PATH")
     defaults(args)
     if args.from_json:
         finish(json.loads(Path(args.from_json).read_text()), args)
@@ -356,7 +367,7 @@ def main() -> None:
                 for name, s in sets.items()}
         runs = [(key, name) for key in args.setups
                 for name in (args.auto_slo_sets or sets if KINDS[key] == "auto" else ["ttft+tpot"])]
-        entry = open_entry(res, workload, rates[workload], runs)
+        entry = open_entry(res, workload, rates[workload], runs, args.append)
         entry.setdefault("auto_shapes", {}).update(auto_shapes(res, workload, {name for key, name in runs
                                                                               if KINDS[key] == "auto"}))
         for run in range(args.runs):  # the runs of a point apart in time: the host's drift shows as noise
