@@ -4,7 +4,8 @@
                  [--attainment 0.9] [--max-nodes 1000]
 
 Setups are families of a unit repeated k times: colocated nodes (with or without chunked
-prefill; under an ITL SLO also with a prefill cap while decoding that fits it, prefill_cap_for),
+prefill; under an ITL SLO also with a prefill cap while decoding that fits it, prefill_cap_for;
+and with prefill and decode taking turns, a cap of 0),
 pull or push units of x P and y D nodes for the P:D ratios of RATIOS, and auto over pairs of
 kv_both nodes (per request: prefill where it decodes, or on the other node and pull); then each
 P/D family again with per-role settings (P's token budget, D's most streams, and with
@@ -120,7 +121,11 @@ def families(profile: Profile | None = None, slos: dict[str, float] | None = Non
     cap = None
     if profile is not None and slos and "max_itl_ms" in slos:
         cap = prefill_cap_for(profile, slos["max_itl_ms"] / 1e3)
-        out.append(Family("colocated", 0, 1, prefill_cap=cap))
+        if cap:
+            out.append(Family("colocated", 0, 1, prefill_cap=cap))
+    # Prefill and decode taking turns, under any SLOs: it won chat's TTFT + TPOT cells at 0.4 and
+    # 0.5 req/s too (docs/benchmarks.md, ninth look), a stream's mean absorbing no stall at all.
+    out.append(Family("colocated", 0, 1, prefill_cap=0))
     for mode in ("pull", "push"):
         out += [Family(mode, p, d) for p, d in RATIOS]
     return out + [Family("auto", 0, 2, prefill_cap=cap)]  # as `pdserve up --mode auto --slo itl:MS` caps them
