@@ -7,7 +7,7 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.study import sweep_workload
-from pdserve.benchmarks.winmap import (auto_shapes, cell, defaults, markdown, measured_map, open_entry,
+from pdserve.benchmarks.winmap import (auto_shapes, cell, defaults, kind_families, markdown, measured_map, open_entry,
                                       planner_agreement, plot, simulated_map, slo_sets)
 from pdserve.plan.shape import shape_for
 from pdserve.workload import GENERATE, SUMMARIZE
@@ -143,3 +143,19 @@ def test_the_map_records_the_shape_auto_ran_as():
     res["map"] = measured_map(res)
     assert f"Auto (e) ran as: chat, ttft+tpot: {tuned}; chat, ttft+itl: {tuned}; chat, itl: {tuned}." \
         in markdown(res)
+
+
+def test_the_simulated_map_prices_auto_as_the_shape_it_runs_as():
+    """Auto's family in the simulated map is what `pdserve up --mode auto` starts: a colocated
+    shape's batching (taking turns: a prefill cap of 0, under TTFT + TPOT too) over kv_both pairs;
+    a PD shape with its per-role settings."""
+    from pdserve.plan.planner import Family
+
+    turns = Family("colocated", 0, 1, prefill_cap=0)
+    kinds = kind_families(None, {"ttft_ms": 18000.0, "tpot_ms": 25.8}, turns)
+    assert kinds["auto"] == [Family("auto", 0, 2, prefill_cap=0)] and turns in kinds["colocated"]
+    assert kinds["auto"][0].setup(1) == "auto:2 (--max-prefill-tokens-while-decoding 0)"
+    plain = kind_families(None, {"ttft_ms": 18000.0}, Family("colocated", 0, 1, chunked=False))
+    assert plain["auto"] == [Family("auto", 0, 2, chunked=False)]
+    pd = kind_families(None, {"ttft_ms": 18000.0}, Family("pull", 1, 1, decode_max_seqs=8))
+    assert pd["auto"] == [Family("auto", 1, 1, decode_max_seqs=8)] and Family("pull", 1, 1) in pd["PD"]

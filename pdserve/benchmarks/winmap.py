@@ -126,12 +126,15 @@ def measured_map(res: dict) -> dict:
 
 def kind_families(profile: Profile, slos: dict[str, float], auto_shape: Family | None = None) -> dict[str, list[Family]]:
     """The planner's families by kind; auto's as it runs when its shape is `auto_shape`
-    (plan/shape.py): over P and D nodes when that is PD, else over kv_both nodes."""
+    (plan/shape.py, cli.choose_auto_shape): over P and D nodes with every per-role setting the
+    shape carries when that is PD, else over pairs of kv_both nodes batching as the shape does
+    (chunked or not, its prefill cap: taking turns under TTFT + TPOT too)."""
     kinds: dict[str, list[Family]] = {"colocated": [], "PD": [], "auto": []}
     for family in families(profile, slos):
         kinds["auto" if family.mode == "auto" else "colocated" if family.mode == "colocated" else "PD"].append(family)
-    if auto_shape is not None and auto_shape.mode != "colocated":
-        kinds["auto"] = [replace(auto_shape, mode="auto")]  # every per-role setting the shape carries
+    if auto_shape is not None:
+        kv_both = auto_shape.mode == "colocated"
+        kinds["auto"] = [replace(auto_shape, mode="auto", decode=2 if kv_both else auto_shape.decode)]
     return kinds
 
 
