@@ -181,6 +181,43 @@ def test_streams_already_past_the_itl_slo_are_not_counted_again(tmp_path):
     assert tpot.misses(view.local(a), view, 128) == 1 + 3  # this one (a 50 ms step) and all three
 
 
+def test_a_node_taking_turns_is_priced_by_when_its_streams_end_not_by_a_stall(tmp_path):
+    """Two kv_both nodes whose prefill and decode take turns (--max-prefill-tokens-while-decoding 0).
+    A holds 3 streams predicted to end in 4 s, B 1 stream ending in 1 s: a prompt computed on either
+    stalls no stream, it waits for the streams instead, so the prompt goes where it starts first (B),
+    and its TTFT counts that wait. Were B's streams to end later than A's, A. A node that does not
+    take turns is priced as before: by the stall."""
+    a, b = Node("http://a:1", "kv_both"), Node("http://b:1", "kv_both")
+    for n in (a, b):
+        n.engine = {"max_prefill_tokens_while_decoding": "0"}
+    a.active_requests, a.active_tokens, b.active_requests, b.active_tokens = 3, 768, 1, 256
+    itl = placer(tmp_path, [a, b], slos={"max_itl_ms": 100})
+    now = itl.clock()
+    a.streams_until, b.streams_until = now + 4.0, now + 1.0
+    prompt = list(range(100))
+    view = PromptView(prompt, itl.costs, itl.index, itl.transport, now)
+    local_a, local_b = view.local(a), view.local(b)
+    assert local_a.stall_s == local_b.stall_s == 0.0
+    assert local_b.ttft_s == pytest.approx(1.0 + 0.110, abs=1e-3) and local_a.ttft_s == pytest.approx(4.110, abs=1e-3)
+    assert itl.misses(local_a, view, 128) == itl.misses(local_b, view, 128) == 0  # the stall costs no gap
+    choice = itl.place(prompt, [a, b], [a, b], output_tokens=128)
+    assert (choice.decoder, choice.choice, choice.output_tokens) == (b, "local", 128)
+    # Dispatched there, B's prefill queues behind its streams and its new stream ends after that
+    itl.dispatched(choice)
+    assert b.prefill_backlog_until == pytest.approx(now + 1.0 + choice.prefill_s, abs=1e-3)
+    assert b.streams_until >= now + choice.ttft_s + 128 * itl.costs.step_s(2, 256)
+    # A load from another node is admitted while B's streams decode, unless prompts queued before it wait
+    given = PromptView(prompt, itl.costs, itl.index, itl.transport, now, first_token_given=True)
+    assert given.load_wait(a) == 0.0 and given.load_wait(b) == pytest.approx(b.streams_until - now)
+    b.streams_until = now + 9.0
+    assert itl.place(prompt, [a, b], [a, b], output_tokens=128).decoder is a
+    plain = Node("http://c:1", "kv_both", active_requests=3, active_tokens=768, streams_until=now + 4.0)
+    assert not plain.takes_turns
+    assert view.local(plain).stall_s == pytest.approx(3 * 0.110) and view.local(plain).ttft_s == pytest.approx(0.110)
+    b.end(256)  # its one stream ends
+    assert (b.streams_until, b.prefill_backlog_until) == (0.0, 0.0)  # idle: nothing predicted is pending
+
+
 def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
     """Decode: 10 decode-only steps of 2 sequences and 200 KV tokens in 0.6 s, against a model of
     10 ms + 10 ms/seq + 0.1 ms/KV token (50 ms a step): 1.2x, of which 30 % is taken in. A node

@@ -93,8 +93,9 @@ def test_the_simulated_map_prices_each_kind_at_n_nodes():
     assert set(best) == {"colocated", "PD", "auto"}
     # auto as `pdserve up --mode auto --nodes 2` runs it: in the shape plan/shape.py picks for the SLOs
     shape = shape_for(known_profile(), "chat", {"max_itl_ms": 400.0}, 2)
-    expected = "auto:1P1D" if shape.disaggregated else "auto:2 (--max-prefill-tokens-while-decoding 144)"
-    assert best["auto"][0] == expected  # over kv_both nodes capped: the SLO fits 144 tokens
+    # (all tie within the margin here, so plain colocated: auto over kv_both nodes with its batching, as
+    # `up` starts it; kind_families' test covers a capped shape)
+    assert shape.setup == "colocated:2" and best["auto"][0] == "auto:2"
     assert best["PD"][0] in ("pull:1P1D", "push:1P1D")
     assert all(0 <= goodput <= 0.5 for _, goodput in best.values())
 

@@ -12,7 +12,10 @@ Every option is priced from the profile (proxy/costs.py) and what the proxy know
 An option's predicted TTFT is queue wait + one request hop + the uncached prefill (+ for a remote
 prefill: the transfer of what D does not hold, D's second hop, and its recompute of the last
 prompt token unless D decodes from P's first token: kv_transfer_params.first_token_id). Its stall is the seconds of prefill run on the decode node times the streams it
-holds (and, prefilled on a kv_both node, the prefill times the streams that node holds). The
+holds (and, prefilled on a kv_both node, the prefill times the streams that node holds). A node
+whose prefill and decode take turns (--max-prefill-tokens-while-decoding 0) stalls no stream: a
+prompt there waits instead until its streams have finished (Node.streams_until: each placed
+request's predicted TTFT + its tokens at the node's step), and that wait is in the TTFT. The
 proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second of delay to
 each stream already decoding counts as much as a second of this request's TTFT.
 Given SLOs (`--slo ttft:MS tpot:MS`), it first takes the options that make the fewest requests
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, ClassVar
 
 from pdserve.kv.prefix_hash import block_hashes
@@ -52,6 +55,7 @@ class Placement:
     stall_s: float  # predicted delay added to the streams decoding on the decode node, summed
     # ... and on the node that prefills it remotely, when that node decodes streams too (kv_both)
     prefiller_stall_s: float = 0.0
+    output_tokens: int = 0  # what the request asks for: how long it will hold the decode node (Node.streams_until)
 
     @property
     def choice(self) -> str:
@@ -90,14 +94,25 @@ class PromptView:
         return self._cached[node.url]
 
     def wait(self, node: Node) -> float:
-        return max(node.prefill_backlog_until - self.now, 0.0)
+        """Until the node can start a prompt: its queue of prefills, and where its prefill and decode
+        take turns, its streams (placed ones too) finishing."""
+        return max(prefill_start(node, self.now) - self.now, 0.0)
+
+    def load_wait(self, d: Node) -> float:
+        """Until `d` takes this prompt's KV from another node. A node taking turns admits a load while
+        its streams decode (it computes nothing, given P's first token), unless prompts queued before
+        it wait for those streams (the queue is first come first served)."""
+        if not (d.takes_turns and self.first_token_given):
+            return self.wait(d)
+        queued = d.prefill_backlog_until > self.now
+        return max(d.streams_until - self.now, 0.0) if queued and d.coming_requests else 0.0
 
     def local(self, d: Node) -> Placement:
         hit = self.cached(d)
         profile_s = self.costs.prefill_s(self.tokens, hit)
         seconds = profile_s * d.speed.prefill
         return Placement(d, None, hit, seconds, profile_s, self.wait(d) + self.costs.request_hop_s + seconds,
-                         seconds * d.active_requests)
+                         seconds * streams_stalled(d))
 
     def prefill_ttft(self, p: Node) -> float:
         """When P would answer the proxy: its queue, a hop, the prefill of what it does not hold."""
@@ -109,14 +124,26 @@ class PromptView:
         # D computes the last prompt token itself, unless it decodes from P's first token
         last_token = 0.0 if self.first_token_given else costs.prefill_s(n, n - 1) * d.speed.prefill
         ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), self.transport) + costs.request_hop_s
-                + self.wait(d) + last_token)
+                + self.load_wait(d) + last_token)
         profile_s = costs.prefill_s(n, hit)
         seconds = profile_s * p.speed.prefill
-        streams_on_p = p.active_requests if p.role == "kv_both" else 0  # a P node decodes nothing
-        return Placement(d, p, hit, seconds, profile_s, ttft, last_token * d.active_requests, seconds * streams_on_p)
+        streams_on_p = streams_stalled(p) if p.role == "kv_both" else 0  # a P node decodes nothing
+        return Placement(d, p, hit, seconds, profile_s, ttft, last_token * streams_stalled(d), seconds * streams_on_p)
 
     def uncached(self, node: Node) -> int:
         return self.tokens - self.cached(node)
+
+
+def prefill_start(node: Node, now: float) -> float:
+    """When the node can start a prompt sent now: after its queue of prefills and, where its
+    prefill and decode take turns, after its streams (placed ones too) have finished."""
+    start = max(node.prefill_backlog_until, now)
+    return max(start, node.streams_until) if node.takes_turns and node.coming_requests else start
+
+
+def streams_stalled(node: Node) -> int:
+    """The streams a prompt computed on the node now would stall: none where it takes turns."""
+    return 0 if node.takes_turns else node.active_requests
 
 
 def pulls(node: Node) -> bool:
@@ -305,9 +332,12 @@ class Placer:
         for d in decoders:  # the decode steps each node ran since the last request
             d.speed.fold_decode(self.costs.step_s)
         view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock(), first_token_given)
-        return self.rule.place(view, prefillers, decoders, output_tokens)
+        return replace(self.rule.place(view, prefillers, decoders, output_tokens), output_tokens=output_tokens)
 
     def dispatched(self, placement: Placement) -> None:
-        """Queue the prefill's predicted time on the node that runs it."""
-        node = placement.prefiller or placement.decoder
-        node.prefill_backlog_until = max(node.prefill_backlog_until, self.clock()) + placement.prefill_s
+        """Queue the prefill's predicted time on the node that runs it, and the stream's predicted
+        end on the decode node (its first token, then its tokens at the step its batch will take)."""
+        now, node, d = self.clock(), placement.prefiller or placement.decoder, placement.decoder
+        node.prefill_backlog_until = prefill_start(node, now) + placement.prefill_s
+        step = self.costs.step_s(d.coming_requests + 1, d.active_tokens + d.reserved_tokens) * d.speed.decode
+        d.streams_until = max(d.streams_until, now + placement.ttft_s + placement.output_tokens * step)

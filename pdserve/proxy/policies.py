@@ -31,6 +31,15 @@ class Node:
     # request placed while they prefill to the same decode node
     reserved_requests: int = 0
     reserved_tokens: int = 0
+    # auto mode: when the streams placed here are predicted to have finished (monotonic s); a node
+    # whose prefill and decode take turns starts no prompt before then
+    streams_until: float = 0.0
+
+    @property
+    def takes_turns(self) -> bool:
+        """Its prefill and decode take turns: no prompt token while a stream decodes
+        (--max-prefill-tokens-while-decoding 0, as its engine info reports)."""
+        return self.engine.get("max_prefill_tokens_while_decoding") == "0"
 
     def reserve(self, tokens: int) -> None:
         self.reserved_requests += 1
@@ -59,7 +68,7 @@ class Node:
         self.active_tokens -= tokens
         self.served += ok
         if self.active_requests == 0:  # idle: whatever was predicted is done
-            self.prefill_backlog_until = 0.0
+            self.prefill_backlog_until = self.streams_until = 0.0
 
 
 class Policy(Protocol):

@@ -20,6 +20,12 @@ from pdserve.proxy.prefix_index import NodeCache
 from pdserve.workload import BenchRequest
 
 
+
+def engine_info(batching: Batching) -> dict[str, str]:
+    """What the proxy reads of a node's engine info and prices by (its prefill cap: taking turns)."""
+    cap = batching.prefill_cap
+    return {"max_prefill_tokens_while_decoding": "budget" if cap is None else str(cap)}
+
 @dataclass
 class Prompt:
     """A request as the simulated proxy sees it: its tokens (auto mode places by them) and, with
@@ -67,8 +73,8 @@ class SimProxy:
         self.decoders = [SimNode(sim, f"D{i}" if setup.prefill else f"N{i}", batching.for_role(setup, "decode"),
                                  prefix_caching, d_role, d_costs) for i in range(setup.decode)]
         self.members = {n.name: n for n in self.prefillers + self.decoders}
-        self.p_nodes = [Node(n.name, "prefill") for n in self.prefillers]
-        self.d_nodes = [Node(n.name, d_role) for n in self.decoders]
+        self.p_nodes = [Node(n.name, "prefill", engine=engine_info(n.batching)) for n in self.prefillers]
+        self.d_nodes = [Node(n.name, d_role, engine=engine_info(n.batching)) for n in self.decoders]
         if d_role == "kv_both":  # the same nodes may prefill for one another
             self.p_nodes = self.d_nodes
         self.prefill_policy, self.decode_policy = POLICIES.get(policy)(), POLICIES.get(policy)()
