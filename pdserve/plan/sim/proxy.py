@@ -20,11 +20,11 @@ from pdserve.proxy.prefix_index import NodeCache
 from pdserve.workload import BenchRequest
 
 
-
 def engine_info(batching: Batching) -> dict[str, str]:
     """What the proxy reads of a node's engine info and prices by (its prefill cap: taking turns)."""
     cap = batching.prefill_cap
     return {"max_prefill_tokens_while_decoding": "budget" if cap is None else str(cap)}
+
 
 @dataclass
 class Prompt:
