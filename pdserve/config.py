@@ -12,6 +12,12 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's compute d
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, for decode (models/quantization.py)
 
 
+def prefill_cap_label(cap: int | None) -> str:
+    """--max-prefill-tokens-while-decoding as a node's engine info reports it, and the proxy reads
+    it ("0": the node's prefill and decode take turns)."""
+    return "budget" if cap is None else str(cap)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a decoder, read from an HF `config.json` by its family's class

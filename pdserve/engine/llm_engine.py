@@ -9,7 +9,7 @@ import time
 import msgspec
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, prefill_cap_label
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import Grammars
@@ -294,8 +294,7 @@ class LLMEngine:
                 "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),
                 "batch_invariant": str(self.config.batch_invariant).lower(),
-                "max_prefill_tokens_while_decoding": "budget" if self.config.max_prefill_tokens_while_decoding is None
-                else str(self.config.max_prefill_tokens_while_decoding),
+                "max_prefill_tokens_while_decoding": prefill_cap_label(self.config.max_prefill_tokens_while_decoding),
                 "max_num_seqs": str(self.config.max_num_seqs), "threads": str(torch.get_num_threads()),
                 "max_num_batched_tokens": str(self.scheduler.max_num_batched_tokens)}
 

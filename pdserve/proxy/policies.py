@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.config import prefill_cap_label
 from pdserve.proxy.speed import NodeSpeed
 from pdserve.registry import Registry
 
@@ -39,7 +40,7 @@ class Node:
     def takes_turns(self) -> bool:
         """Its prefill and decode take turns: no prompt token while a stream decodes
         (--max-prefill-tokens-while-decoding 0, as its engine info reports)."""
-        return self.engine.get("max_prefill_tokens_while_decoding") == "0"
+        return self.engine.get("max_prefill_tokens_while_decoding") == prefill_cap_label(0)
 
     def reserve(self, tokens: int) -> None:
         self.reserved_requests += 1

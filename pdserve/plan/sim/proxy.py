@@ -8,6 +8,7 @@ from typing import Callable
 
 import msgspec
 
+from pdserve.config import prefill_cap_label
 from pdserve.kv.params import KVTransferParams
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.node import Job, SimNode
@@ -22,8 +23,7 @@ from pdserve.workload import BenchRequest
 
 def engine_info(batching: Batching) -> dict[str, str]:
     """What the proxy reads of a node's engine info and prices by (its prefill cap: taking turns)."""
-    cap = batching.prefill_cap
-    return {"max_prefill_tokens_while_decoding": "budget" if cap is None else str(cap)}
+    return {"max_prefill_tokens_while_decoding": prefill_cap_label(batching.prefill_cap)}
 
 
 @dataclass
