@@ -4,8 +4,9 @@
 - int4 projection: 30 layers' gate/up (3072 x 576, 30 distinct weights, as a step streams them) at
   1 / 2 / 4 / 8 / 16 rows: `int4_linear` (AVX512-BF16 CPUs; where the CPU has AMX, also without its
   tiles: `int4_linear_avx512`), torch's int4 kernel, oneDNN bf16 on the dequantized weight.
-- Decode attention: 30 layers' bf16 KV (9 query heads, 3 KV heads of 64; blocks of 16, scattered as
-  a pool leaves them), 1 x 2048, 8 x 2048 and 8 x 128 keys: the C++ kernel, and the GB/s of KV it reads.
+- Decode attention: 30 layers' bf16 KV (9 query heads, 3 KV heads of 64; blocks of 16 tokens, the
+  engine's default, and of 32, scattered as a pool leaves them), 1 x 2048, 8 x 2048 and 8 x 128 keys:
+  the C++ kernel, and the GB/s of KV it reads.
 - The int8 output head (49152 x 576, Q8_0 groups) at 1 / 4 / 8 / 16 rows: `int8_head` (where the CPU
   has AMX, also without its tiles: `int8_head_avx512`) against float32 F.linear on the dequantized weight.
 Each figure is the median of `repeats` timed calls after one warm-up, in milliseconds.
@@ -24,7 +25,8 @@ from pdserve.models.quantization import INT8_GROUP, native_int4_kernel, quantize
 
 LAYERS = 30
 HIDDEN, GATE_UP, VOCAB = 576, 3072, 49152
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+BLOCK_SIZES = (16, 32)  # tokens a block: the engine's default (--block-size), and twice its K / V runs
 INT4_ROWS = (1, 2, 4, 8, 16)
 ATTENTION_CASES = ((1, 2048), (8, 2048), (8, 128))
 HEAD_ROWS = (1, 4, 8, 16)
@@ -58,20 +60,22 @@ def int4_projection(ops: ModuleType, repeats: int) -> dict:
 def attention(ops: ModuleType, repeats: int) -> dict:
     torch.manual_seed(0)
     results = {}
-    for batch, context in ATTENTION_CASES:
-        blocks_each = -(-context // BLOCK)
-        pool = batch * blocks_each + 1
-        caches = [torch.randn(2, pool, BLOCK, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)]
-        tables = torch.randperm(pool - 1)[: batch * blocks_each].reshape(batch, blocks_each) + 1  # scattered
-        lens = torch.full((batch,), context, dtype=torch.int64)
-        query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-        out = torch.empty_like(query)
-        # As the engine sizes partitions (model_runner._kernel_group): 4 units a thread, at least 8 blocks.
-        partition = max(8, -(-blocks_each // -(-4 * torch.get_num_threads() // batch)))
-        ms = median_ms(lambda: [ops.paged_decode_attention(query, kv, tables, lens, out, HEAD_DIM ** -0.5, partition, 0)
-                                for kv in caches], repeats)
-        kv_bytes = LAYERS * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
-        results[f"{batch}x{context}"] = {"ms": ms, "kv_gbs": kv_bytes / ms / 1e6}
+    for block in BLOCK_SIZES:
+        for batch, context in ATTENTION_CASES:
+            blocks_each = -(-context // block)
+            pool = batch * blocks_each + 1
+            caches = [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+            tables = torch.randperm(pool - 1)[: batch * blocks_each].reshape(batch, blocks_each) + 1  # scattered
+            lens = torch.full((batch,), context, dtype=torch.int64)
+            query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+            out = torch.empty_like(query)
+            # As the engine sizes partitions (model_runner._kernel_group): 4 units a thread, at least 8 blocks.
+            partition = max(8, -(-blocks_each // -(-4 * torch.get_num_threads() // batch)))
+            ms = median_ms(lambda: [ops.paged_decode_attention(query, kv, tables, lens, out, HEAD_DIM ** -0.5,
+                                                               partition, 0) for kv in caches], repeats)
+            kv_bytes = LAYERS * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+            results[f"{batch}x{context}" + (f" (blocks of {block})" if block != BLOCK_SIZES[0] else "")] = {
+                "ms": ms, "kv_gbs": kv_bytes / ms / 1e6, "block_size": block}
     return results
 
 
