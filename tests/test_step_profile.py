@@ -19,11 +19,14 @@ def test_ops_fall_in_their_kind(name, kind):
     assert op_kind(name) == kind
 
 
-def test_a_breakdown_accounts_for_the_step_and_every_layer():
-    """Batch 1 and 2 at a short context on the default path: the GEMMs and the attention are
-    seen (the C++ kernels through their annotations), the ops' own times account for most of the
-    profiled steps' wall time and never more, and each of the 30 layers has its own time."""
-    result = profile_decode(None, "auto", "auto", (1, 2), (40,))
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_breakdown_accounts_for_the_step_and_every_layer(block_size):
+    """Batch 1 and 2 at a short context on the default path, on blocks of 16 and of 32 tokens: the
+    GEMMs and the attention are seen (the C++ kernels through their annotations), the ops' own
+    times account for most of the profiled steps' wall time and never more, and each of the 30
+    layers has its own time."""
+    result = profile_decode(None, "auto", "auto", (1, 2), (40,), block_size)
+    assert result["block_size"] == block_size
     assert result["streamed_params"] > 130e6 and 0 < result["weight_bytes"] < 4 * result["streamed_params"]
     for point in result["points"]:
         ms = point["ms"]

@@ -284,6 +284,8 @@ def main() -> None:
                         help="instead: where a decode step's time goes, by op kind and by layer, at batch 1 / 8 / 32 "
                              "and context 128 / 2048, on the default path (and each of --dtypes given), into "
                              "docs/results/engine_breakdown.json and its section of docs/benchmarks.md")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16],
+                        help="with --breakdown: the default path at each of these KV block sizes (tokens a block)")
     parser.add_argument("--kernels", action="store_true",
                         help="instead: pdserve's C++ kernels alone on SmolLM2's shapes (int4 projection, decode "
                              "attention, int8 head) against torch's, into docs/results/engine_kernels.json")
@@ -346,7 +348,8 @@ BREAKDOWN_BATCHES, BREAKDOWN_CONTEXTS = (1, 8, 32), (128, 2048)
 def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
     torch.set_num_threads(args.threads)
     cpu = CpuInfo.detect()
-    configs = [("auto", "auto")] + ([(d, "none") for d in args.dtypes] if explicit_dtypes else [])
+    configs = [("auto", "auto", block) for block in args.block_sizes]
+    configs += [(d, "none", args.block_sizes[0]) for d in args.dtypes] if explicit_dtypes else []
     # The machine's rooflines, measured before the models load (same process and threads).
     rooflines = {"read_bandwidth_gbs": read_bandwidth_gbs(),
                  "gemm_gflops": {name: gemm_gflops(getattr(torch, name)) for name in ("bfloat16", "float32")}}
@@ -354,15 +357,17 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
                         "flags": sorted(f for f in cpu.flags if f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")),
                         "threads": args.threads, "torch": torch.__version__, "model": default_model_name(args.model)},
                "configs": {}}
-    for dtype, quantization in configs:
-        config = profile_decode(args.model, dtype, quantization, BREAKDOWN_BATCHES, BREAKDOWN_CONTEXTS)
+    for dtype, quantization, block in configs:
+        config = profile_decode(args.model, dtype, quantization, BREAKDOWN_BATCHES, BREAKDOWN_CONTEXTS, block)
         labels = config["engine"]
         tiles = ", AMX tiles" if labels.get("amx_tiles") == "true" else ""
-        results["configs"][f"{labels['dtype']} + {labels['quantization']} ({labels['attention']}{tiles})"] = config
+        blocks = f", blocks of {block}" if args.block_sizes != [16] else ""
+        results["configs"][f"{labels['dtype']} + {labels['quantization']} ({labels['attention']}{tiles}{blocks})"] = config
     meta = results["meta"]
     lines = [f"Command: `python -m pdserve.benchmarks.engine --breakdown"
              f"{f' --model {args.model}' if args.model else ''}"
-             f"{' --dtypes ' + ' '.join(args.dtypes) if explicit_dtypes else ''}` ({meta['date']}; {meta['cpu']}, "
+             f"{' --dtypes ' + ' '.join(args.dtypes) if explicit_dtypes else ''}"
+             f"{' --block-sizes ' + ' '.join(map(str, args.block_sizes)) if args.block_sizes != [16] else ''}` ({meta['date']}; {meta['cpu']}, "
              f"{', '.join(meta['flags'])}; {args.threads} thread(s); {meta['model']}). Milliseconds per decode step: "
              "the step's wall time (engine.step, median of 12), then each kind's own op time under torch's profiler "
              "(pdserve's C++ kernels as annotations), and the overhead: wall time minus all ops (Python, scheduling, "

@@ -146,11 +146,11 @@ def breakdown(llm, batch: int, context: int, steps: int = 12) -> dict:
 
 
 def profile_decode(model: str | None, dtype: str, quantization: str, batches: tuple[int, ...],
-                   contexts: tuple[int, ...]) -> dict:
-    """Every (batch, context) point for one engine configuration."""
+                   contexts: tuple[int, ...], block_size: int = 16) -> dict:
+    """Every (batch, context) point for one engine configuration (KV blocks of `block_size` tokens)."""
     from pdserve import LLM
 
-    block_size, longest = 16, max(contexts) + HEADROOM
+    longest = max(contexts) + HEADROOM
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False, block_size=block_size,
               max_num_seqs=max(batches), max_model_len=longest,
               num_kv_blocks=max(batches) * -(-longest // block_size) + 64)  # every sequence's KV at once
@@ -159,7 +159,7 @@ def profile_decode(model: str | None, dtype: str, quantization: str, batches: tu
     engine = llm.engine
     params, weight_bytes = streamed_weights(engine.model_runner.model, engine.plan.torch_dtype)
     return {"engine": engine.labels(), "points": points, "streamed_params": params, "weight_bytes": weight_bytes,
-            "kv_bytes_per_token": engine.kv_spec.bytes_per_token}
+            "kv_bytes_per_token": engine.kv_spec.bytes_per_token, "block_size": block_size}
 
 
 def step_bytes(config: dict, batch: int, context: int) -> int:
