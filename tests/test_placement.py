@@ -201,11 +201,14 @@ def test_a_node_taking_turns_is_priced_by_when_its_streams_end_not_by_a_stall(tm
     assert local_b.ttft_s == pytest.approx(1.0 + 0.110, abs=1e-3) and local_a.ttft_s == pytest.approx(4.110, abs=1e-3)
     assert itl.misses(local_a, view, 128) == itl.misses(local_b, view, 128) == 0  # the stall costs no gap
     choice = itl.place(prompt, [a, b], [a, b], output_tokens=128)
-    assert (choice.decoder, choice.choice, choice.output_tokens) == (b, "local", 128)
-    # Dispatched there, B's prefill queues behind its streams and its new stream ends after that
+    assert (choice.decoder, choice.choice, choice.output_tokens, choice.prompt_tokens) == (b, "local", 128, 100)
+    # Dispatched there, B's prefill queues behind its streams and its new stream ends after that, at
+    # the step of B's batch with it in: 2 streams, their KV (256 + its 100 prompt and 128 answer tokens)
     itl.dispatched(choice)
     assert b.prefill_backlog_until == pytest.approx(now + 1.0 + choice.prefill_s, abs=1e-3)
-    assert b.streams_until >= now + choice.ttft_s + 128 * itl.costs.step_s(2, 256)
+    step = itl.costs.step_s(2, 256 + 100 + 128)
+    assert step > itl.costs.step_s(2, 256)
+    assert b.streams_until == pytest.approx(itl.clock() + choice.ttft_s + 128 * step, abs=1e-2)
     # A load from another node is admitted while B's streams decode, unless prompts queued before it wait
     given = PromptView(prompt, itl.costs, itl.index, itl.transport, now, first_token_given=True)
     assert given.load_wait(a) == 0.0 and given.load_wait(b) == pytest.approx(b.streams_until - now)

@@ -56,6 +56,7 @@ class Placement:
     # ... and on the node that prefills it remotely, when that node decodes streams too (kv_both)
     prefiller_stall_s: float = 0.0
     output_tokens: int = 0  # what the request asks for: how long it will hold the decode node (Node.streams_until)
+    prompt_tokens: int = 0  # its prompt: KV its decode steps read (as Placer.misses prices them)
 
     @property
     def choice(self) -> str:
@@ -332,12 +333,15 @@ class Placer:
         for d in decoders:  # the decode steps each node ran since the last request
             d.speed.fold_decode(self.costs.step_s)
         view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock(), first_token_given)
-        return replace(self.rule.place(view, prefillers, decoders, output_tokens), output_tokens=output_tokens)
+        return replace(self.rule.place(view, prefillers, decoders, output_tokens), output_tokens=output_tokens,
+                       prompt_tokens=view.tokens)
 
     def dispatched(self, placement: Placement) -> None:
         """Queue the prefill's predicted time on the node that runs it, and the stream's predicted
         end on the decode node (its first token, then its tokens at the step its batch will take)."""
         now, node, d = self.clock(), placement.prefiller or placement.decoder, placement.decoder
         node.prefill_backlog_until = prefill_start(node, now) + placement.prefill_s
-        step = self.costs.step_s(d.coming_requests + 1, d.active_tokens + d.reserved_tokens) * d.speed.decode
+        # Its batch with this request in, its tokens too (as misses priced it): not yet reserved or begun.
+        tokens = d.active_tokens + d.reserved_tokens + placement.prompt_tokens + placement.output_tokens
+        step = self.costs.step_s(d.coming_requests + 1, tokens) * d.speed.decode
         d.streams_until = max(d.streams_until, now + placement.ttft_s + placement.output_tokens * step)
