@@ -270,6 +270,9 @@ class Placer:
         self.costs, self.index, self.transport = costs, index, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens
         self.slos = slos or {}  # ttft_ms / tpot_ms / max_itl_ms: the cost rule first counts who would miss them
+        inf = float("inf")  # the same in seconds, each inf when not set
+        self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s = (self.slos.get(k, inf) / 1e3
+                                                            for k in ("ttft_ms", "tpot_ms", "max_itl_ms"))
         self.policy = policy  # the static route (proxy/policies.py) the cost rule keeps where it saves no miss
         self.clock = clock  # the simulator runs this Placer on its own clock (plan/sim/)
         self.rule = PLACEMENT_RULES.get(rule)(self)
@@ -292,9 +295,8 @@ class Placer:
         spread over their tokens for TPOT, whole in one gap for ITL; streams_missing)."""
         if not self.slos:
             return 0
-        d, costs, inf = option.decoder, self.costs, float("inf")
-        ttft_slo, tpot_slo = self.slos.get("ttft_ms", inf) / 1e3, self.slos.get("tpot_ms", inf) / 1e3
-        itl_slo = self.slos.get("max_itl_ms", inf) / 1e3  # a stream's longest gap: the stall lands whole in one
+        d, costs = option.decoder, self.costs
+        ttft_slo, tpot_slo, itl_slo = self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s  # ITL: a stall lands whole in one gap
         streams, speed = d.active_requests, d.speed.decode
         coming, coming_tokens = d.coming_requests, d.active_tokens + d.reserved_tokens  # its batch, placed ones in
         before = costs.step_s(coming, coming_tokens) * speed
@@ -312,8 +314,7 @@ class Placer:
         """The streams on `node` that meet the SLOs at its `step` and would not at this `tpot` and
         `longest_gap`; for the ITL SLO only those whose gaps have all been within it so far (the
         proxy sees each stream's gaps: Node.streams_past_itl)."""
-        inf = float("inf")
-        tpot_slo, itl_slo = self.slos.get("tpot_ms", inf) / 1e3, self.slos.get("max_itl_ms", inf) / 1e3
+        tpot_slo, itl_slo = self.tpot_slo_s, self.itl_slo_s
         if step <= tpot_slo < tpot:
             return node.active_requests
         if step <= itl_slo < longest_gap:
