@@ -41,7 +41,7 @@ from pdserve.config import EngineConfig
 from pdserve.plan.profile import ProfilePoints, run_profile
 from pdserve.platform import plan_kernels
 from pdserve.procs import ProcessGroup, up_child
-from pdserve.workload import mixed_dataset, summarize
+from pdserve.workload import goodput_items, mixed_dataset, summarize
 
 SETUPS = {
     "colo": ("colocated x2, round robin", ["--colocated", "2", "--no-chunked-prefill"]),
@@ -58,7 +58,7 @@ def run_setup(key: str, profile: str, dtype: str, slos: dict, args) -> dict:
     label, up_args = SETUPS[key]
     extra = []
     if "auto" in up_args:  # the cost rule keeps requests within the study's SLOs first
-        extra = ["--profile", profile, "--slo", f"ttft:{slos['ttft_ms']:.0f}", f"tpot:{slos['tpot_ms']:.1f}"]
+        extra = ["--profile", profile, "--slo", *goodput_items(slos)]
     points: dict[str, list[dict]] = {"mixed": [], "multiturn": []}
     answer_ids = answer_tokenizer(None)  # multiturn puts each answer into the next turn's prompt
     with ProcessGroup(stop_grace_s=30) as group:

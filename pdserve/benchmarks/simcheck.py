@@ -53,6 +53,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
 from pdserve.plan.sim import Setup, simulate
 from pdserve.platform import plan_kernels
+from pdserve.workload import goodput_items
 
 RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")
 MEDIANS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")  # the ones the 10 % target covers
@@ -86,7 +87,7 @@ def auto_args(setup: StudySetup, profile_path: Path, slos: dict[str, float]) -> 
     """What `pdserve up --mode auto` adds: the profile to price placements with, the SLOs to keep."""
     if "auto" not in setup.up_args:
         return ()
-    return ("--profile", str(profile_path), "--slo", f"ttft:{slos['ttft_ms']:.0f}", f"tpot:{slos['tpot_ms']:.1f}")
+    return ("--profile", str(profile_path), "--slo", *goodput_items(slos))
 
 
 def idle_level(profile: Profile, idle: dict) -> dict[str, float]:
