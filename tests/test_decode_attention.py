@@ -43,6 +43,34 @@ def test_kernel_equals_sdpa_over_gathered_blocks(ops, dtype, heads, kv_heads, he
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefetch_distance_changes_no_bit(ops, block_size):
+    """Prefetches only ask for lines early: at any distance (none, less than a block, the default
+    32 tokens, several blocks) the output is the same bit for bit. A negative distance is refused."""
+    torch.manual_seed(block_size)
+    kv_cache = torch.randn(2, 200, block_size, 3, 64).bfloat16()
+    lens = torch.tensor([5, 40 * block_size // 16, 1500 // (block_size // 16)])
+    tables = torch.stack([torch.randperm(200)[:-(-int(lens.max()) // block_size)] for _ in lens])
+    q = torch.randn(len(lens), 9, 64).bfloat16()
+    outs = []
+    previous = ops.set_prefetch_tokens(32)
+    try:
+        for tokens in (32, 0, 8, 64, 512):
+            assert ops.set_prefetch_tokens(tokens) in (32, 0, 8, 64, 512)
+            out = torch.empty_like(q)
+            ops.paged_decode_attention(q, kv_cache, tables, lens, out, 64**-0.5, 8)
+            outs.append(out)
+        with pytest.raises(RuntimeError, match="prefetch tokens must be >= 0"):
+            ops.set_prefetch_tokens(-1)
+    finally:
+        ops.set_prefetch_tokens(previous)
+    assert previous == 32  # the default: 2 blocks of 16 ahead
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[0].float(), sdpa_reference(q, kv_cache, tables, lens, 64**-0.5).float(),
+                               atol=1e-2, rtol=1e-2)
+
+
 def test_kernel_refuses_bad_input_with_a_message(ops):
     kv_cache = torch.zeros(2, 4, 16, 2, 32)
     q, lens, tables = torch.zeros(1, 4, 32), torch.tensor([3]), torch.zeros(1, 1, dtype=torch.long)

@@ -286,6 +286,9 @@ def main() -> None:
                              "docs/results/engine_breakdown.json and its section of docs/benchmarks.md")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16],
                         help="with --breakdown: the default path at each of these KV block sizes (tokens a block)")
+    parser.add_argument("--prefetch-sweep", action="store_true",
+                        help="with --kernels: decode attention by KV block size and prefetch distance instead, into "
+                             "docs/results/attention_prefetch.json")
     parser.add_argument("--kernels", action="store_true",
                         help="instead: pdserve's C++ kernels alone on SmolLM2's shapes (int4 projection, decode "
                              "attention, int8 head) against torch's, into docs/results/engine_kernels.json")
@@ -397,6 +400,20 @@ def run_kernels(args: argparse.Namespace) -> None:
     results = {"meta": {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "flags": flags, "threads": args.threads,
                         "torch": torch.__version__},
                "read_bandwidth_gbs": read_bandwidth_gbs()}
+    if args.prefetch_sweep:
+        results["attention_ms"] = kernels.prefetch_sweep(ops)
+        lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels --prefetch-sweep` ({results['meta']['date']}; "
+                 f"{cpu.model}, {', '.join(flags)}; {args.threads} thread(s); read bandwidth "
+                 f"{results['read_bandwidth_gbs']:.1f} GB/s in the same process). Decode attention, 30 layers of bf16 KV "
+                 f"(9 heads, 3 KV heads of 64), ms, by the pool's block size and how far ahead (tokens) the kernel "
+                 "prefetches (32: its default); medians of 3 alternating rounds.", "",
+                 *kernels.prefetch_markdown(results["attention_ms"])]
+        if args.no_docs:
+            print("\n".join(lines))
+        else:
+            publish(results, "docs/results/attention_prefetch.json", "attention_prefetch",
+                    "Engine: decode attention by block size and prefetch distance (issue 35)", "\n".join(lines))
+        return
     repeats = 5 if args.quick else 20
     results.update(kernels.run(ops, repeats))
     lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels{' --quick' if args.quick else ''}` "

@@ -14,6 +14,7 @@ Each figure is the median of `repeats` timed calls after one warm-up, in millise
 
 from __future__ import annotations
 
+import statistics
 from types import ModuleType
 from typing import Callable
 
@@ -77,6 +78,48 @@ def attention(ops: ModuleType, repeats: int) -> dict:
             results[f"{batch}x{context}" + (f" (blocks of {block})" if block != BLOCK_SIZES[0] else "")] = {
                 "ms": ms, "kv_gbs": kv_bytes / ms / 1e6, "block_size": block}
     return results
+
+
+PREFETCH_TOKENS = (0, 16, 32, 64, 128)  # 0: none; 32 the kernel's default (set_prefetch_tokens)
+PREFETCH_CASES = ((1, 2048, True), (8, 2048, True), (8, 128, True), (1, 2048, False), (8, 2048, False))
+
+
+def prefetch_sweep(ops: ModuleType, rounds: int = 3, repeats: int = 10) -> dict:
+    """Decode attention (30 layers, as `attention`) by block size and prefetch distance in tokens,
+    KV blocks scattered over the pool (a server after churn) or in address order (a fresh one). All
+    pools are built first and the distances alternate for `rounds` rounds in one process, so that
+    the host's drift falls on every cell; each cell is the median of its rounds."""
+    torch.manual_seed(0)
+    setups = {}
+    for block in BLOCK_SIZES:
+        for batch, context, scattered in PREFETCH_CASES:
+            each = -(-context // block)
+            pool = batch * each + 1
+            ids = torch.randperm(pool - 1) if scattered else torch.arange(pool - 1)
+            query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+            setups[f"blocks of {block}, {batch}x{context}, {'scattered' if scattered else 'in order'}"] = (
+                [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)],
+                ids[: batch * each].reshape(batch, each) + 1, torch.full((batch,), context, dtype=torch.int64),
+                query, torch.empty_like(query), max(8, -(-each // -(-4 * torch.get_num_threads() // batch))))
+    cells: dict[str, dict[str, list[float]]] = {name: {str(t): [] for t in PREFETCH_TOKENS} for name in setups}
+    previous = ops.set_prefetch_tokens(PREFETCH_TOKENS[0])
+    try:
+        for _ in range(rounds):
+            for tokens in PREFETCH_TOKENS:
+                ops.set_prefetch_tokens(tokens)
+                for name, (caches, tables, lens, query, out, partition) in setups.items():
+                    cells[name][str(tokens)].append(median_ms(lambda: [ops.paged_decode_attention(
+                        query, kv, tables, lens, out, HEAD_DIM ** -0.5, partition, 0) for kv in caches], repeats))
+    finally:
+        ops.set_prefetch_tokens(previous)
+    return {name: {t: statistics.median(v) for t, v in row.items()} for name, row in cells.items()}
+
+
+def prefetch_markdown(sweep: dict) -> list[str]:
+    lines = ["| pool, batch x keys | " + " | ".join(f"prefetch {t}" if t else "no prefetch" for t in PREFETCH_TOKENS)
+             + " |", "|---" * (len(PREFETCH_TOKENS) + 1) + "|"]
+    return lines + [f"| {name} | " + " | ".join(f"{row[str(t)]:.2f}" for t in PREFETCH_TOKENS) + " |"
+                    for name, row in sweep.items()]
 
 
 def int8_head(ops: ModuleType, repeats: int) -> dict:

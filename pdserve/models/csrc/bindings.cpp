@@ -13,6 +13,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", without_gil());
   m.def("int8_head", &int8_head, "x @ (int8 codes * group scales).T in float32: the output head's logits",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("rows_alone") = false, without_gil());
+  m.def("set_prefetch_tokens", [](int64_t tokens) {
+    TORCH_CHECK(tokens >= 0, "prefetch tokens must be >= 0");
+    const int64_t previous = prefetch_tokens;
+    prefetch_tokens = tokens;
+    return previous;
+  }, "how far ahead (tokens) decode attention prefetches KV (0: not at all); returns the previous setting");
   m.def("amx_available", &amx_available, "whether pdserve's kernels can run on AMX tiles here");
   m.def("amx", &amx_runs, "whether pdserve's kernels run on AMX tiles");
   m.def("set_amx", [](bool enabled) {
