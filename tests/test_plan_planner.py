@@ -120,6 +120,9 @@ def test_plan_cli_answers_and_refuses_bad_input(tmp_path):
     assert ok.returncode == 0, ok.stderr
     data = json.loads(out.read_text())
     assert "cheapest: " + data["pick"]["setup"] in ok.stdout
+    rate = data["simulated_requests"] / data["seconds"]  # the simulator's speed, reported
+    assert data["simulated_requests"] >= 300
+    assert f"requests simulated in {data['seconds']:.1f} s, {rate:,.0f} a second" in ok.stdout
     assert {r["family"] for r in data["setups"]} >= {"colocated", "colocated, no chunked prefill", "pull 1P:1D",
                                                      "push 1P:3D"}
     assert all(r["meets"] for r in data["setups"] if r["family"].startswith("colocated"))

@@ -260,7 +260,8 @@ def report(result: dict, profile_path: str) -> str:
     slos = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in result["slos_ms"].items())
     lines = [f"plan for {result['rate']:g} req/s, {slos}, attainment >= {result['attainment'] * 100:g} %, "
              f"at most {result['max_nodes']} cores (profile {profile_path}; {result['simulated_requests']:,} "
-             f"requests simulated in {result['seconds']:.1f} s)", "",
+             f"requests simulated in {result['seconds']:.1f} s, "
+             f"{result['simulated_requests'] / max(result['seconds'], 1e-9):,.0f} a second)", "",
              f"{'setup':40s} {'nodes':>5s} {'cores':>5s} {'attain':>7s} {'goodput/core':>12s} {'p50 TTFT':>9s} "
              f"{'p99 TTFT':>9s} {'p50 TPOT':>9s} {'p99 TPOT':>9s}"]
     for r in result["setups"]:
