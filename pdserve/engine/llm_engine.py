@@ -84,7 +84,7 @@ class LLMEngine:
         try:
             if self.tp.size > 1:
                 self.tp_workers = TPWorkers(rank_spec, self.tp.size)
-            model, kernel = set_up_rank(rank_spec, self.tp)
+            model, kernel, prefill_kernel = set_up_rank(rank_spec, self.tp)
         except BaseException:
             self.close()
             raise
@@ -103,7 +103,8 @@ class LLMEngine:
         )
         paged = model.decode_attention == "paged"  # the K/V paged attention (models/attention.py), else the model's own
         self.attention = "native" if kernel is not None else "sdpa" if paged else model.decode_attention
-        self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers, config.batch_invariant)
+        self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers, config.batch_invariant,
+                                        prefill_kernel)
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         logger.info(

@@ -9,18 +9,21 @@ from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput, is_decode
 from pdserve.engine.tp_workers import TPWorkers
 from pdserve.kv.pool import KVPool
-from pdserve.models.attention import AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk, RowsAlone
+from pdserve.models.attention import (AttentionMetadata, DecodeGroup, DecodeKernel, PrefillChunk, PrefillKernel,
+                                      RowsAlone)
 from pdserve.models.batch_invariant import INVARIANT_PARTITION_BLOCKS
 from pdserve.models.contract import LayerHook
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, decode_kernel: DecodeKernel | None = None,
-                 tp_workers: TPWorkers | None = None, batch_invariant: bool = False):
+                 tp_workers: TPWorkers | None = None, batch_invariant: bool = False,
+                 prefill_kernel: PrefillKernel | None = None):
         self.model = model
         self.batch_invariant = batch_invariant  # every row attends alone (models/batch_invariant.py)
         self.tp_workers = tp_workers  # TP: the other ranks run each step's forward pass with this one
         self.decode_kernel = decode_kernel  # None: SDPA over gathered blocks
+        self.prefill_kernel = prefill_kernel  # None: SDPA
         self.pool = pool
         self.block_size = pool.block_size
         self.device = torch.device(device)
@@ -117,7 +120,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(first, first + n, start + n, cached))
             first += n
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills,
-                                 num_decodes=len(decode_lens), decode_kernel=self.decode_kernel)
+                                 num_decodes=len(decode_lens), decode_kernel=self.decode_kernel,
+                                 prefill_kernel=self.prefill_kernel)
         window = self.group_windows[group]
         if self.batch_invariant:  # every row attends alone, in place of the chunks and groups
             meta.prefills, meta.rows_alone = [], self._rows_alone(batch, group)

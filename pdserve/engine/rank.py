@@ -49,4 +49,4 @@ def set_up_rank(spec: RankSpec, tp: TensorParallel) -> tuple[torch.nn.Module, De
         model.use_native_kernels(ops)
     if spec.batch_invariant:
         model.set_batch_invariant()  # ValueError for a model without a batch-invariant path
-    return model, model.decode_kernel(ops)
+    return model, model.decode_kernel(ops), model.prefill_kernel(ops)

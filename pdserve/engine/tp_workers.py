@@ -61,7 +61,7 @@ class TPWorkers:
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> None:
         """Send this step's inputs (each KV group's metadata) to every rank: each runs the forward with rank 0."""
         self.check_alive()
-        dist.broadcast_object_list([(input_ids, positions, [replace(m, decode_kernel=None) for m in metas])], src=0)
+        dist.broadcast_object_list([(input_ids, positions, [replace(m, decode_kernel=None, prefill_kernel=None) for m in metas])], src=0)
 
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -96,7 +96,7 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
     dist.init_process_group(backend(spec.device), init_method=init, rank=rank, world_size=size,
                             timeout=timedelta(seconds=TIMEOUT_S))
     tp = TensorParallel(rank, size)
-    model, kernel = set_up_rank(spec, tp)
+    model, kernel, prefill_kernel = set_up_rank(spec, tp)
     pool = KVPool.for_model(kv_cache_spec(read_model_config(spec.model_dir), spec.kv_dtype or spec.dtype, tp),
                             spec.num_blocks,
                             spec.block_size, spec.device,
@@ -109,6 +109,6 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
             if received[0] is None:
                 break
             input_ids, positions, metas = received[0]  # each KV group's
-            metas = [replace(meta, decode_kernel=kernel) for meta in metas]
+            metas = [replace(meta, decode_kernel=kernel, prefill_kernel=prefill_kernel) for meta in metas]
             model(input_ids, positions, kv_caches, [metas[g] for g in pool.layer_groups])
     dist.destroy_process_group()

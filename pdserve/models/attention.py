@@ -59,6 +59,10 @@ class RowsAlone:
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, int], None]
 
 
+# (query [n, H, D], key [m, KVH, D], value, out, scale) -> None: causal, query i at position m - n + i.
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step layout of a batch, shared by every layer. Decode tokens come first."""
@@ -67,6 +71,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # the batch's first rows are decodes (what the quantized kernels run on)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decode_kernel: DecodeKernel | None = None  # None: SDPA over gathered blocks
+    prefill_kernel: PrefillKernel | None = None  # bf16 prefill chunks (models/csrc); None: SDPA
     prefills: list[PrefillChunk] = field(default_factory=list)
     rows_alone: RowsAlone | None = None  # batch-invariant mode: every row, instead of the groups and chunks
 
@@ -115,7 +120,17 @@ def paged_attention(
     # Prefill chunks use 4-D [1, H, n, D] inputs: SDPA's fused CPU kernel only takes 4-D, and the
     # 3-D fallback is about 8x slower on long prompts.
     block_size = kv_cache.shape[2]
+    kernel = meta.prefill_kernel if q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and not window else None
     for chunk in meta.prefills:
+        if kernel is not None:  # [n, H, D] rows as they lie; the chunk's keys after its cached ones
+            if chunk.block_table is None:
+                keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+            else:
+                keys, values = gather_blocks(kv_cache, chunk.block_table)[:, : chunk.context_len].to(q.dtype)
+            o = torch.empty_like(q[chunk.start : chunk.end])
+            kernel(q[chunk.start : chunk.end].contiguous(), keys.contiguous(), values.contiguous(), o, scale)
+            out[chunk.start : chunk.end] = o
+            continue
         query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         n, ctx = chunk.end - chunk.start, chunk.context_len
         first_key = 0  # the position of keys[..., 0, :]

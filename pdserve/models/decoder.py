@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.models.attention import AttentionMetadata, DecodeKernel
+from pdserve.models.attention import AttentionMetadata, DecodeKernel, PrefillKernel
 from pdserve.models.contract import LayerHook
 from pdserve.models.decode_stack import build_decode_stack, runs_fused
 from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding, Rotation
@@ -121,6 +121,11 @@ class DecoderLM(nn.Module):
         """pdserve's C++ paged decode attention, where it is built and this model decodes through the
         K/V paged attention."""
         return ops.paged_decode_attention if ops is not None and self.decode_attention == "paged" else None
+
+    def prefill_kernel(self, ops: ModuleType | None) -> PrefillKernel | None:
+        """pdserve's C++ causal prefill attention (bf16, built where the CPU has bf16 dot products),
+        where this model attends through the K/V paged attention."""
+        return getattr(ops, "prefill_attention", None) if ops is not None and self.decode_attention == "paged" else None
 
     def set_batch_invariant(self) -> None:
         """Every projection computes each row independently of the batch (models/batch_invariant.py);

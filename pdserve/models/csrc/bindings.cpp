@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)  // only where the CPU has bf16 dot products; elsewhere torch's int4 kernel runs
   m.def("int4_linear", &int4_linear, "x @ (int4 codes * group scale + zero).T on bf16 dot products (AMX tiles "
         "where the CPU has them)", py::arg("x"), py::arg("codes"), py::arg("scales_zeros"), py::arg("rows_alone") = false, without_gil());
-  bind_decode_stack(m);  // DecodeStack: a decode step through a Llama-family model's layers (its projections int4)
+  bind_decode_stack(m);
+  m.def("prefill_attention", &prefill_attention, "Causal prefill attention of one sequence on bf16 dot products",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"), py::arg("scale"), without_gil());  // DecodeStack: a decode step through a Llama-family model's layers (its projections int4)
 #endif
 }

@@ -12,6 +12,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
                             int64_t window);
 extern int64_t prefetch_tokens;  // decode attention's prefetch distance (paged_decode_attention.cpp)
+void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& out,
+                       double scale);
 void add_rms_norm(at::Tensor& residual, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                   at::Tensor& out, double eps);
 void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
