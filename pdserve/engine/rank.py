@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.models.attention import DecodeKernel
+from pdserve.models.attention import DecodeKernel, PrefillKernel
 from pdserve.models.loader import load_model
 from pdserve.models.native import native_ops
 from pdserve.models.parallel import TensorParallel
@@ -34,9 +34,10 @@ class RankSpec:
     kv_dtype: torch.dtype | None = None  # the KV pool's (--kv-cache-dtype); None: the model's dtype
 
 
-def set_up_rank(spec: RankSpec, tp: TensorParallel) -> tuple[torch.nn.Module, DecodeKernel | None]:
-    """Rank `tp.rank`'s slice of the model with the kernels of `spec`, and its decode attention
-    kernel (None: the model's torch path)."""
+def set_up_rank(spec: RankSpec, tp: TensorParallel) -> tuple[torch.nn.Module, DecodeKernel | None,
+                                                              PrefillKernel | None]:
+    """Rank `tp.rank`'s slice of the model with the kernels of `spec`, and its decode and prefill
+    attention kernels (None: the model's torch path)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     # The decode attention, int4 projections and the fused elementwise ops on pdserve's C++ kernels
