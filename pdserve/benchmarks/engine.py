@@ -370,7 +370,8 @@ def run_breakdown(args: argparse.Namespace, explicit_dtypes: bool) -> None:
     lines = [f"Command: `python -m pdserve.benchmarks.engine --breakdown"
              f"{f' --model {args.model}' if args.model else ''}"
              f"{' --dtypes ' + ' '.join(args.dtypes) if explicit_dtypes else ''}"
-             f"{' --block-sizes ' + ' '.join(map(str, args.block_sizes)) if args.block_sizes != [16] else ''}` ({meta['date']}; {meta['cpu']}, "
+             f"{' --block-sizes ' + ' '.join(map(str, args.block_sizes)) if args.block_sizes != [16] else ''}` "
+             f"({meta['date']}; {meta['cpu']}, "
              f"{', '.join(meta['flags'])}; {args.threads} thread(s); {meta['model']}). Milliseconds per decode step: "
              "the step's wall time (engine.step, median of 12), then each kind's own op time under torch's profiler "
              "(pdserve's C++ kernels as annotations), and the overhead: wall time minus all ops (Python, scheduling, "
@@ -402,7 +403,8 @@ def run_kernels(args: argparse.Namespace) -> None:
                "read_bandwidth_gbs": read_bandwidth_gbs()}
     if args.prefetch_sweep:
         results["attention_ms"] = kernels.prefetch_sweep(ops)
-        lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels --prefetch-sweep` ({results['meta']['date']}; "
+        lines = [f"Command: `python -m pdserve.benchmarks.engine --kernels --prefetch-sweep` "
+                 f"({results['meta']['date']}; "
                  f"{cpu.model}, {', '.join(flags)}; {args.threads} thread(s); read bandwidth "
                  f"{results['read_bandwidth_gbs']:.1f} GB/s in the same process). Decode attention, 30 layers of bf16 KV "
                  f"(9 heads, 3 KV heads of 64), ms, by the pool's block size and how far ahead (tokens) the kernel "

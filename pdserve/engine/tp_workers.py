@@ -61,7 +61,8 @@ class TPWorkers:
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> None:
         """Send this step's inputs (each KV group's metadata) to every rank: each runs the forward with rank 0."""
         self.check_alive()
-        dist.broadcast_object_list([(input_ids, positions, [replace(m, decode_kernel=None, prefill_kernel=None) for m in metas])], src=0)
+        plain = [replace(m, decode_kernel=None, prefill_kernel=None) for m in metas]  # each rank sets its own
+        dist.broadcast_object_list([(input_ids, positions, plain)], src=0)
 
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
