@@ -1,8 +1,9 @@
 """pdserve's C++ kernels as a CPU of another kind builds them (-march=native picks per machine):
 AVX2 only (AMD EPYC before Zen 4) and AVX-512 without bf16 (Skylake to Ice Lake). Each builds; the
-kernels that need AVX512-BF16 (int4_linear, the fused decode step) are left out, so the engine keeps
-torch's int4 kernel and the Python layers there; the decode attention (its AVX-512 or portable
-loop) equals SDPA; the int8 head equals its float32 GEMM. Run where this CPU can execute them."""
+kernels that need AVX512-BF16 (int4_linear, the fused decode step, the prefill attention) are left
+out, so the engine keeps torch's int4 kernel, the Python layers and SDPA's prefill there; the decode
+attention (its AVX-512 or portable loop) equals SDPA; the int8 head equals its float32 GEMM. Run
+where this CPU can execute them."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_the_kernels_build_and_compute_for_another_cpu_kind(march, tmp_path):
         pytest.skip(f"this CPU cannot run a -march={march} build")
     ops = build(march, tmp_path / march)
     assert native_int4_kernel(ops) is None and not hasattr(ops, "DecodeStack")
+    assert not hasattr(ops, "prefill_attention")
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (4, 1, 256, 16), (16, 2, 128, 32)]:

@@ -26,6 +26,9 @@
 namespace {
 
 using pdserve::exp_nonpositive;
+#if defined(__AVX512F__)
+using pdserve::exp_nonpositive16;
+#endif
 using pdserve::to_float;
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -202,23 +205,6 @@ inline __m512 bf16_dots(const c10::BFloat16*, const c10::BFloat16*, const c10::B
   return _mm512_setzero_ps();  // never called: BF16_DOTS needs AVX512-BF16
 }
 #endif
-
-// exp_nonpositive (vec_math.h) on 16 lanes: the same reduction and polynomial, 2^n by scalef.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
 
 // One partition of one sequence for every KV head (a block's heads lie together), with AVX-512, for
 // head sizes of CHUNKS x 16. Keys 16 at a time: a lane per key for the scores (16 dot products'

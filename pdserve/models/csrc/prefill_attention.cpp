@@ -24,25 +24,10 @@
 #if defined(__AVX512BF16__)
 namespace {
 
+using pdserve::exp_nonpositive16;
+
 constexpr int64_t kQueryTile = 16;  // queries a unit takes (x the heads of its KV head: its rows)
 constexpr int64_t kKeyTile = 32;    // keys a packed tile holds: two vectors of scores
-
-// exp(x) for x <= 0 on 16 lanes (as paged_decode_attention's): Cody-Waite reduction, degree-6 polynomial.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
 
 inline __mmask16 first_lanes(int64_t count) {  // lanes 0 .. count - 1 (count clamped to 0 .. 16)
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
@@ -112,8 +97,8 @@ inline void rows_on_tile(const uint16_t* q, const uint32_t* kt, const uint32_t* 
     const float correction = std::exp(maxes[r] - new_max);  // 0 on the first keys (max = -inf)
     maxes[r] = new_max;
     const __m512 top = _mm512_set1_ps(new_max);
-    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(a, top)));
-    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(b, top)));
+    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_nonpositive16(_mm512_sub_ps(a, top)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_nonpositive16(_mm512_sub_ps(b, top)));
     sums[r] = sums[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     _mm512_store_si512(probs[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0..15 low, 16..31 high
     const __m512 rescale = _mm512_set1_ps(correction);

@@ -1,7 +1,12 @@
-// Scalar helpers shared by pdserve's kernels, written so that `#pragma omp simd` loops vectorize them.
+// Helpers shared by pdserve's kernels: scalar ones written so that `#pragma omp simd` loops vectorize
+// them, and exp_nonpositive on 16 AVX-512 lanes.
 #pragma once
 
 #include <torch/extension.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -51,5 +56,24 @@ inline float silu(float x) {
   const float e = exp_nonpositive(-std::abs(x));
   return x * (x >= 0.f ? 1.f : e) / (1.f + e);
 }
+
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n by scalef.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
 
 }  // namespace pdserve
