@@ -58,22 +58,33 @@ def int4_projection(ops: ModuleType, repeats: int) -> dict:
     return {"rows": results, "int4_mib": int4_bytes / 2**20}
 
 
+def attention_case(block: int, batch: int, context: int, scattered: bool = True) -> tuple:
+    """30 layers' bf16 KV pools of blocks of `block` tokens holding `batch` sequences of `context`
+    keys, their block tables (scattered over the pool, as churn leaves them, or in address order),
+    and the kernel's other arguments: (caches, tables, lens, query, out, partition_blocks)."""
+    each = -(-context // block)
+    pool = batch * each + 1
+    caches = [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+    ids = torch.randperm(pool - 1) if scattered else torch.arange(pool - 1)
+    query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    # As the engine sizes partitions (model_runner._kernel_group): 4 units a thread, at least 8 blocks.
+    partition = max(8, -(-each // -(-4 * torch.get_num_threads() // batch)))
+    return (caches, ids[: batch * each].reshape(batch, each) + 1, torch.full((batch,), context, dtype=torch.int64),
+            query, torch.empty_like(query), partition)
+
+
+def attend_ms(ops: ModuleType, case: tuple, repeats: int) -> float:
+    caches, tables, lens, query, out, partition = case
+    return median_ms(lambda: [ops.paged_decode_attention(query, kv, tables, lens, out, HEAD_DIM ** -0.5, partition, 0)
+                              for kv in caches], repeats)
+
+
 def attention(ops: ModuleType, repeats: int) -> dict:
     torch.manual_seed(0)
     results = {}
     for block in BLOCK_SIZES:
         for batch, context in ATTENTION_CASES:
-            blocks_each = -(-context // block)
-            pool = batch * blocks_each + 1
-            caches = [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)]
-            tables = torch.randperm(pool - 1)[: batch * blocks_each].reshape(batch, blocks_each) + 1  # scattered
-            lens = torch.full((batch,), context, dtype=torch.int64)
-            query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-            out = torch.empty_like(query)
-            # As the engine sizes partitions (model_runner._kernel_group): 4 units a thread, at least 8 blocks.
-            partition = max(8, -(-blocks_each // -(-4 * torch.get_num_threads() // batch)))
-            ms = median_ms(lambda: [ops.paged_decode_attention(query, kv, tables, lens, out, HEAD_DIM ** -0.5,
-                                                               partition, 0) for kv in caches], repeats)
+            ms = attend_ms(ops, attention_case(block, batch, context), repeats)
             kv_bytes = LAYERS * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
             results[f"{batch}x{context}" + (f" (blocks of {block})" if block != BLOCK_SIZES[0] else "")] = {
                 "ms": ms, "kv_gbs": kv_bytes / ms / 1e6, "block_size": block}
@@ -90,26 +101,17 @@ def prefetch_sweep(ops: ModuleType, rounds: int = 3, repeats: int = 10) -> dict:
     pools are built first and the distances alternate for `rounds` rounds in one process, so that
     the host's drift falls on every cell; each cell is the median of its rounds."""
     torch.manual_seed(0)
-    setups = {}
-    for block in BLOCK_SIZES:
-        for batch, context, scattered in PREFETCH_CASES:
-            each = -(-context // block)
-            pool = batch * each + 1
-            ids = torch.randperm(pool - 1) if scattered else torch.arange(pool - 1)
-            query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-            setups[f"blocks of {block}, {batch}x{context}, {'scattered' if scattered else 'in order'}"] = (
-                [torch.randn(2, pool, block, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(LAYERS)],
-                ids[: batch * each].reshape(batch, each) + 1, torch.full((batch,), context, dtype=torch.int64),
-                query, torch.empty_like(query), max(8, -(-each // -(-4 * torch.get_num_threads() // batch))))
+    setups = {f"blocks of {block}, {batch}x{context}, {'scattered' if scattered else 'in order'}":
+              attention_case(block, batch, context, scattered)
+              for block in BLOCK_SIZES for batch, context, scattered in PREFETCH_CASES}
     cells: dict[str, dict[str, list[float]]] = {name: {str(t): [] for t in PREFETCH_TOKENS} for name in setups}
     previous = ops.set_prefetch_tokens(PREFETCH_TOKENS[0])
     try:
         for _ in range(rounds):
             for tokens in PREFETCH_TOKENS:
                 ops.set_prefetch_tokens(tokens)
-                for name, (caches, tables, lens, query, out, partition) in setups.items():
-                    cells[name][str(tokens)].append(median_ms(lambda: [ops.paged_decode_attention(
-                        query, kv, tables, lens, out, HEAD_DIM ** -0.5, partition, 0) for kv in caches], repeats))
+                for name, case in setups.items():
+                    cells[name][str(tokens)].append(attend_ms(ops, case, repeats))
     finally:
         ops.set_prefetch_tokens(previous)
     return {name: {t: statistics.median(v) for t, v in row.items()} for name, row in cells.items()}

@@ -296,7 +296,7 @@ class Placer:
         if not self.slos:
             return 0
         d, costs = option.decoder, self.costs
-        ttft_slo, tpot_slo, itl_slo = self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s  # ITL: a stall lands whole in one gap
+        ttft_slo, tpot_slo, itl_slo = self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s  # ITL: a stall lands in one gap
         streams, speed = d.active_requests, d.speed.decode
         coming, coming_tokens = d.coming_requests, d.active_tokens + d.reserved_tokens  # its batch, placed ones in
         before = costs.step_s(coming, coming_tokens) * speed
