@@ -96,6 +96,7 @@ def test_engine_decodes_on_the_kernel_and_equals_the_portable_path(ops, smollm_d
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     native = LLM(str(smollm_dir), dtype="float32", quantization="none", kv_cache_memory_gib=0.05)
     assert native.engine.labels()["attention"] == "native"
+    assert native.engine.labels()["prefill_attention"] == "sdpa"  # float32: the prefill kernel is bf16's
     expected = native.generate([prompt, prompt[:90]], params)
     monkeypatch.setenv("PDSERVE_KERNELS", "portable")
     portable = LLM(str(smollm_dir), dtype="float32", quantization="none", kv_cache_memory_gib=0.05)

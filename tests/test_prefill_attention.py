@@ -61,7 +61,7 @@ def test_engine_prefill_on_the_kernel_equals_the_sdpa_path(ops):
     llm = LLM(None, dtype="bfloat16", quantization="none", kv_cache_memory_gib=0.1, enable_prefix_caching=False,
               max_num_batched_tokens=256)
     runner = llm.engine.model_runner
-    assert runner.prefill_kernel is not None
+    assert runner.prefill_kernel is not None and llm.engine.labels()["prefill_attention"] == "native"
     prompts = ["The capital of France is", STORY + "What did the keeper light?", STORY * 16 + "Who taught him to count?"]
     params = SamplingParams(temperature=0, max_tokens=12)
     with_kernel = [o.token_ids for o in llm.generate(prompts, params)]

@@ -291,7 +291,7 @@ def main() -> None:
                              "docs/results/attention_prefetch.json")
     parser.add_argument("--kernels", action="store_true",
                         help="instead: pdserve's C++ kernels alone on SmolLM2's shapes (int4 projection, decode "
-                             "attention, int8 head) against torch's, into docs/results/engine_kernels.json")
+                             "and prefill attention, int8 head) against torch's, into docs/results/engine_kernels.json")
     args = parser.parse_args()
     if args.breakdown:
         run_breakdown(args, explicit_dtypes="--dtypes" in sys.argv)

@@ -7,6 +7,9 @@
 - Decode attention: 30 layers' bf16 KV (9 query heads, 3 KV heads of 64; blocks of 16 tokens, the
   engine's default, and of 32, scattered as a pool leaves them), 1 x 2048, 8 x 2048 and 8 x 128 keys:
   the C++ kernel, and the GB/s of KV it reads.
+- Prefill attention: one layer's causal attention over a 512- and a 2048-token prompt (9 heads, 3 KV
+  heads of 64, bf16): `prefill_attention` (AVX512-BF16 CPUs) against torch's SDPA on the same
+  tensors (what the engine runs without it), in ms and in GFLOP/s of the causal half.
 - The int8 output head (49152 x 576, Q8_0 groups) at 1 / 4 / 8 / 16 rows: `int8_head` (where the CPU
   has AMX, also without its tiles: `int8_head_avx512`) against float32 F.linear on the dequantized weight.
 Each figure is the median of `repeats` timed calls after one warm-up, in milliseconds.
@@ -31,6 +34,7 @@ BLOCK_SIZES = (16, 32)  # tokens a block: the engine's default (--block-size), a
 INT4_ROWS = (1, 2, 4, 8, 16)
 ATTENTION_CASES = ((1, 2048), (8, 2048), (8, 128))
 HEAD_ROWS = (1, 4, 8, 16)
+PREFILL_TOKENS = (512, 2048)
 
 
 def int4_projection(ops: ModuleType, repeats: int) -> dict:
@@ -88,6 +92,25 @@ def attention(ops: ModuleType, repeats: int) -> dict:
             kv_bytes = LAYERS * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
             results[f"{batch}x{context}" + (f" (blocks of {block})" if block != BLOCK_SIZES[0] else "")] = {
                 "ms": ms, "kv_gbs": kv_bytes / ms / 1e6, "block_size": block}
+    return results
+
+
+def prefill_attention(ops: ModuleType, repeats: int) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    for tokens in PREFILL_TOKENS:
+        q = torch.randn(tokens, HEADS, HEAD_DIM).bfloat16()
+        k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
+        out, scale = torch.empty_like(q), HEAD_DIM ** -0.5
+        # SDPA as models/attention.py calls it: [1, heads, tokens, D] views of the same rows.
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        entry = {"sdpa_ms": median_ms(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                                                             enable_gqa=True), repeats)}
+        if hasattr(ops, "prefill_attention"):
+            entry["kernel_ms"] = median_ms(lambda: ops.prefill_attention(q, k, v, out, scale), repeats)
+        flops = 4 * HEADS * HEAD_DIM * tokens * (tokens + 1) / 2  # QK and PV over the keys each query sees
+        results[str(tokens)] = {**entry, **{kind.replace("_ms", "_gflops"): flops / ms / 1e6
+                                            for kind, ms in entry.items()}}
     return results
 
 
@@ -151,7 +174,7 @@ def without_amx(ops: ModuleType, measure: Callable[[], float]) -> float:
 
 def run(ops: ModuleType, repeats: int = 20) -> dict:
     return {"int4_projection": int4_projection(ops, repeats), "attention": attention(ops, repeats),
-            "int8_head": int8_head(ops, repeats)}
+            "prefill_attention": prefill_attention(ops, max(3, repeats // 4)), "int8_head": int8_head(ops, repeats)}
 
 
 def markdown(results: dict) -> list[str]:
@@ -163,6 +186,11 @@ def markdown(results: dict) -> list[str]:
     lines += ["", f"Decode attention, {LAYERS} layers, bf16 KV ({HEADS} heads, {KV_HEADS} KV heads of {HEAD_DIM}):", "",
               "| batch x context | ms | KV read GB/s |", "|---|---|---|"]
     lines += [f"| {case} | {v['ms']:.2f} | {v['kv_gbs']:.1f} |" for case, v in results["attention"].items()]
+    prefill = results["prefill_attention"]
+    lines += ["", f"Prefill attention, one layer, causal, bf16 ({HEADS} heads, {KV_HEADS} KV heads of {HEAD_DIM}):", "",
+              "| prompt tokens | kernel ms | kernel GFLOP/s | SDPA ms | SDPA GFLOP/s |", "|---|---|---|---|---|"]
+    lines += [f"| {t} | {v.get('kernel_ms', float('nan')):.2f} | {v.get('kernel_gflops', float('nan')):.0f} | "
+              f"{v['sdpa_ms']:.2f} | {v['sdpa_gflops']:.0f} |" for t, v in prefill.items()]
     head = results["int8_head"]
     head_kinds = [k for k in ("int8_head", "int8_head_avx512", "float32_linear") if k in head[str(HEAD_ROWS[0])]]
     lines += ["", f"Output head ({VOCAB} x {HIDDEN}), ms:", "", "| rows | " + " | ".join(head_kinds) + " |",

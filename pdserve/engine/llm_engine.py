@@ -26,6 +26,7 @@ from pdserve.kv.params import KVTransferParams, wants_remote_prefill
 from pdserve.kv.pool import KVPool
 from pdserve.kv.stats import KVStats, KVStatsSnapshot
 from pdserve.kv.transport import uses_shared_pool
+from pdserve.models.attention import prefill_kernel_takes
 from pdserve.models.loader import kv_cache_spec
 from pdserve.models.locate import resolve_model_dir
 from pdserve.models.parallel import TensorParallel
@@ -103,6 +104,9 @@ class LLMEngine:
         )
         paged = model.decode_attention == "paged"  # the K/V paged attention (models/attention.py), else the model's own
         self.attention = "native" if kernel is not None else "sdpa" if paged else model.decode_attention
+        windows = self.kv_spec.layer_windows or (0,)
+        self.prefill_attention = "native" if prefill_kernel is not None and any(
+            prefill_kernel_takes(self.plan.torch_dtype, self.kv_spec.head_dim, w) for w in windows) else "sdpa"
         self.model_runner = ModelRunner(model, self.pool, config.device, kernel, self.tp_workers, config.batch_invariant,
                                         prefill_kernel)
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -285,12 +289,13 @@ class LLMEngine:
         return getattr(torch, requested)
 
     def labels(self) -> dict[str, str]:
-        """How this engine computes: the kernel plan, the weights' quantization, the decode attention,
-        whether pdserve's kernels (int4 projections, int8 head) run on AMX tiles, whether decode steps
-        run fused (models/decode_stack.py)."""
+        """How this engine computes: the kernel plan, the weights' quantization, the decode and prefill
+        attention (native: pdserve's C++ kernels), whether pdserve's kernels (int4 projections, int8
+        head) run on AMX tiles, whether decode steps run fused (models/decode_stack.py)."""
         fused = self.model_runner.model.decode_stack is not None
         ops = native_ops() if self.plan.compiled else None
         return {**self.plan.labels(), "quantization": self.quantization, "attention": self.attention,
+                "prefill_attention": self.prefill_attention,
                 "amx_tiles": str(ops is not None and ops.amx()).lower(),
                 "decode_step": "fused" if fused else "python", "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "tensor_parallel_size": str(self.tp.size),

@@ -63,6 +63,12 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 
+def prefill_kernel_takes(dtype: torch.dtype, head_dim: int, window: int = 0) -> bool:
+    """Whether a layer's prefill chunks run the C++ kernel (when the CPU has one): bf16, head size
+    64 or 128, the whole context (a sliding layer keeps SDPA)."""
+    return dtype == torch.bfloat16 and head_dim in (64, 128) and not window
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step layout of a batch, shared by every layer. Decode tokens come first."""
@@ -120,7 +126,7 @@ def paged_attention(
     # Prefill chunks use 4-D [1, H, n, D] inputs: SDPA's fused CPU kernel only takes 4-D, and the
     # 3-D fallback is about 8x slower on long prompts.
     block_size = kv_cache.shape[2]
-    kernel = meta.prefill_kernel if q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and not window else None
+    kernel = meta.prefill_kernel if prefill_kernel_takes(q.dtype, q.shape[-1], window) else None
     for chunk in meta.prefills:
         if kernel is not None:  # [n, H, D] rows as they lie; the chunk's keys after its cached ones
             if chunk.block_table is None:
