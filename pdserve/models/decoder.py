@@ -139,13 +139,15 @@ class DecoderLM(nn.Module):
         self.decode_stack = None  # its kernels compute rows alone, but its attention partitions by batch
 
     def use_native_kernels(self, ops: ModuleType) -> None:
-        """Run the elementwise chains on pdserve's C++ kernels (models/native.py), and as many decode
-        rows on the quantized kernels as they take (more on AMX tiles)."""
+        """Run the elementwise chains on pdserve's C++ kernels (models/native.py), as many decode rows
+        on the quantized kernels as they take (more on AMX tiles), and float32 GEMMs on oneDNN."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP, OutputHead)):
                 module.native = ops
             if isinstance(module, Linear):
                 module.max_quantized_rows = max_quantized_rows(module.quantized, ops)
+                module.onednn_float32 = module.weight is not None and module.weight.is_cpu and \
+                    torch.backends.mkldnn.is_available()
         self.decode_stack = build_decode_stack(self, ops, one_rope=type(self).rotations is DecoderLM.rotations)
         self.decode_stack_rows = min((m.max_quantized_rows for m in self.layers.modules() if isinstance(m, Linear)),
                                      default=MAX_QUANTIZED_ROWS)
