@@ -12,7 +12,8 @@ where the CPU has bf16 arithmetic, else float32). All on the weights pdserve con
 model's GGUF (`--model`: SmolLM2 by default). Each system runs in its own process pinned to one core
 (taskset, one torch thread), prefix caching off, greedy, ignore_eos; the columns alternate for
 --rounds rounds, so that a drift of the host's speed falls on all, and each figure is the median.
-Per case: prefill tok/s = prompt tokens / time of a 1-token generate; decode tok/s = (output tokens -
+Per case, after one untimed 1-token generate of its prompts (both systems warm for its shapes):
+prefill tok/s = prompt tokens / time of a 1-token generate; decode tok/s = (output tokens -
 1 per request) / (time of the full generate - that prefill time). Writes docs/results/peers/offline.json
 and the "peers_offline" section of docs/benchmarks.md. Not part of CI.
 """
@@ -50,6 +51,9 @@ def run_cases(generate, cases: list[dict]) -> dict:
     out = {}
     for case in cases:
         prompts, n_out = case["prompts"], case["output_len"]
+        # Untimed first: a shape's first GEMMs build oneDNN's kernels for it (pdserve's 1 x 32
+        # prefill measured 40 ms cold, 33 warm).
+        generate(prompts, 1)
         start = time.perf_counter()
         generate(prompts, 1)
         prefill = time.perf_counter() - start
