@@ -25,15 +25,17 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._reason is not None
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        return self._reason
 
 
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                    RequestStatus.FINISHED_ABORTED: "abort"}
+for _status in RequestStatus:  # an attribute of each member: looking one up in a dict hashed the enum in
+    _status._reason = _FINISH_REASONS.get(_status)  # Python (a simulator asks millions of times)
 
 
 class Request:
@@ -57,10 +59,12 @@ class Request:
         self.index = index  # which of the client's n sequences this is
         self.grammar = grammar  # structured output: what may come next (engine/logits.py masks the rest)
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # (the prompt never changes)
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the model sees
         self.params = params
         self.detokenizer = detokenizer
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stop_holdback = params.max_stop_len  # text held back from streaming: a stop string may begin there
         self.max_model_len = max_model_len
         self.generator = generator
         self.status = RequestStatus.WAITING
@@ -79,10 +83,6 @@ class Request:
         self.error: str | None = None  # why the request failed, when it did
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks
         self.prompt_logprobs: list[TokenLogprob | None] = []  # of each prompt token (the first: None), when asked
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def finish_reason(self) -> str | None:
@@ -142,7 +142,7 @@ class Request:
             token_ids=self.output_token_ids,
             text=self.detokenizer.text,
             new_token_ids=new_token_ids,
-            text_delta=self.detokenizer.take_delta(self.params.max_stop_len, finished),
+            text_delta=self.detokenizer.take_delta(self.stop_holdback, finished),
             finished=finished,
             finish_reason=self.status.finish_reason,
             metrics=self.metrics,
