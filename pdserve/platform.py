@@ -97,6 +97,21 @@ def onednn_bf16_prepack_works() -> bool:
     return torch.allclose(out.float(), F.linear(x.float(), weight.float()), rtol=2e-2, atol=5e-2)
 
 
+@functools.cache
+def onednn_float32_works() -> bool:
+    """Run a small float32 GEMM on oneDNN with a plain (unpacked) weight, as models/layers.py's
+    float32 path does, and check the result: where it fails, float32 GEMMs stay on F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 32, generator=gen), torch.randn(5, 32, generator=gen)
+    try:
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.allclose(out, F.linear(x, weight), rtol=1e-4, atol=1e-5)
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """The dtype and kernel path a node runs, and why."""

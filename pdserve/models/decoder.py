@@ -23,6 +23,7 @@ from pdserve.models.decode_stack import build_decode_stack, runs_fused
 from pdserve.models.layers import MLP, Linear, OutputHead, RMSNorm, RotaryEmbedding, Rotation
 from pdserve.models.parallel import TensorParallel
 from pdserve.models.quantization import INT8_GROUP, MAX_QUANTIZED_ROWS, can_quantize, max_quantized_rows
+from pdserve.platform import onednn_float32_works
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,7 @@ class DecoderLM(nn.Module):
                 module.native = ops
             if isinstance(module, Linear):
                 module.max_quantized_rows = max_quantized_rows(module.quantized, ops)
-                module.onednn_float32 = module.weight is not None and module.weight.is_cpu and \
-                    torch.backends.mkldnn.is_available()
+                module.onednn_float32 = module.weight is not None and module.weight.is_cpu and onednn_float32_works()
         self.decode_stack = build_decode_stack(self, ops, one_rope=type(self).rotations is DecoderLM.rotations)
         self.decode_stack_rows = min((m.max_quantized_rows for m in self.layers.modules() if isinstance(m, Linear)),
                                      default=MAX_QUANTIZED_ROWS)
