@@ -132,7 +132,6 @@ class OutputHead(Linear):
                                      rows_alone=self.batch_invariant)
 
 
-
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; its output is cast to the dtype of the projections it feeds."""
 
