@@ -68,6 +68,21 @@ def test_the_planner_tunes_each_pd_familys_per_role_settings():
     assert all(r["meets"] for r in result["setups"] if "--decode-max-num-seqs" in r["setup"])
 
 
+def test_a_role_variant_that_fails_at_the_bound_stops_early_and_is_not_reported():
+    """tuned() searches variants only up to the best choice's size; one that fails there cannot be
+    the pick and is not shown, so its run stops once it cannot reach the attainment (the families
+    themselves run their largest size whole: the report shows it)."""
+    planner = Planner(known_profile(), requests(300), 4.0, {"ttft_ms": 5000.0, "max_itl_ms": 100.0}, 0.9, 16)
+    bound = 2
+    for variant in (Family("pull", 1, 1, prefill_budget=512), Family("pull", 1, 1, decode_max_seqs=64)):
+        before = planner.simulated_requests
+        choice = planner.smallest(variant, bound, report=False)
+        assert not choice.meets and choice.summary.get("gave_up")
+        assert planner.simulated_requests - before < len(planner.requests)
+        reported = planner.smallest(variant, bound)
+        assert not reported.meets and "p99_ttft_ms" in reported.summary  # whole: the report's figures
+
+
 def test_the_planner_tries_p_or_d_nodes_of_more_threads_counting_their_cores():
     """A prefill-heavy load (1024-token prompts, 16 out) under a TTFT SLO, with a profile measured
     at 2 threads whose prefill runs 3x faster (past linear, to make the trade plain): a P node of 2

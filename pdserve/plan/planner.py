@@ -193,13 +193,14 @@ class Planner:
         self.simulated_requests += summary["simulated_requests"]
         return summary
 
-    def smallest(self, family: Family, max_cores: int | None = None) -> Choice | None:
+    def smallest(self, family: Family, max_cores: int | None = None, report: bool = True) -> Choice | None:
         """The family's smallest passing size of at most `max_cores` (default: the planner's
-        --max-nodes, nodes of one thread); a failing Choice at the largest size; None if no unit fits."""
+        --max-nodes, nodes of one thread); a failing Choice at the largest size (its summary whole
+        where `report`, else perhaps only an upper bound of its attainment); None if no unit fits."""
         top = (max_cores or self.max_nodes) // family.unit_cores
         if top < 1:
             return None
-        summary = self.evaluate(family, top, whole=True)  # reported even when it fails
+        summary = self.evaluate(family, top, whole=report)  # the report shows it even when it fails
         if summary["slo_attainment"] < self.attainment:
             return Choice(family, top, False, summary)
         lo, hi, best = 1, top, summary  # invariant: hi passes
@@ -224,7 +225,9 @@ class Planner:
         bound = min(passing, key=rank).cores
         out = []
         for base in (c for c in choices if c.family.prefill and c.cores <= 2 * bound):
-            variants = [self.smallest(f, bound) for f in role_variants(base.family, tuple(self.thread_profiles))]
+            # A variant that fails at the bound is not reported: its run may stop as soon as it fails
+            variants = [self.smallest(f, bound, report=False)
+                        for f in role_variants(base.family, tuple(self.thread_profiles))]
             best = min((c for c in variants if c is not None and c.meets), key=rank, default=None)
             if best is not None and rank(best) < rank(base):
                 out.append(best)
