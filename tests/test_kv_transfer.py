@@ -37,11 +37,11 @@ def prefill_side():
     pool.close()
 
 
-def pull(sender: KVSender, shm_name, transport: str, secret: bytes, src, dst, request_id="req-a"):
+def pull(sender: KVSender, served, transport: str, secret: bytes, src, dst, request_id="req-a"):
     local = KVPool(SHAPE, torch.bfloat16, "cpu")
     transports, stats, inbox = NodeTransports([local]), KVStats(), TransferInbox()
     receiver = KVReceiver(transports, stats, inbox, transport, timeout_s=10, secret=secret)
-    receiver.start(LoadSpec("d-1", [dst], [src], request_id, "127.0.0.1", sender.port, shm_name))
+    receiver.start(LoadSpec("d-1", [dst], [src], request_id, "127.0.0.1", sender.port, served))
     result = inbox.poll(timeout=30)[0]
     receiver.close()
     transports.close()
@@ -52,7 +52,7 @@ def pull(sender: KVSender, shm_name, transport: str, secret: bytes, src, dst, re
 def test_pulled_blocks_arrive_intact_and_both_ends_count_them(prefill_side, transport):
     pool, held, sender, p_stats = prefill_side
     src, dst = [3, 4, 5, 9], [20, 7, 8, 0]  # scattered on both sides
-    result, local, d_stats = pull(sender, pool.shm_name, transport, b"right", src, dst)
+    result, local, d_stats = pull(sender, sender.transports.served(), transport, b"right", src, dst)
     assert result.error is None and (result.mode, result.transport) == ("pull", transport)
     assert torch.equal(local.tensor[:, :, dst], pool.tensor[:, :, src])
     assert local.tensor[:, :, 1].abs().sum() == 0  # nothing else written
@@ -73,7 +73,7 @@ def test_a_transport_the_node_does_not_serve_is_refused(prefill_side):
 def test_wrong_secret_is_refused_and_logged(prefill_side, caplog):
     pool, held, sender, _ = prefill_side
     with caplog.at_level(logging.WARNING):
-        result, local, _ = pull(sender, pool.shm_name, "tcp", b"wrong", [3], [0])
+        result, local, _ = pull(sender, sender.transports.served(), "tcp", b"wrong", [3], [0])
     assert result.error and "authentication failed" in result.error
     assert local.tensor.abs().sum() == 0
     assert held.num_blocks == 4 and held.pop_releasable() == []  # still held for the real D
@@ -100,7 +100,8 @@ def test_peer_that_skips_the_handshake_gets_nothing(prefill_side):
 ])
 def test_only_the_named_requests_blocks_can_be_read(prefill_side, request_id, blocks, message):
     pool, held, sender, _ = prefill_side
-    result, local, _ = pull(sender, pool.shm_name, "tcp", b"right", blocks, list(range(len(blocks))), request_id)
+    served = sender.transports.served()
+    result, local, _ = pull(sender, served, "tcp", b"right", blocks, list(range(len(blocks))), request_id)
     assert result.error and message in result.error
     assert local.tensor.abs().sum() == 0
 

@@ -131,6 +131,25 @@ def test_d_decodes_from_ps_first_token_where_it_may_and_samples_it_itself_where_
         assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
 
 
+def test_p_advertises_the_transports_it_serves_and_nothing_of_their_own(cluster):
+    """vLLM's toy-proxy protocol by hand: P's kv_transfer_params name the transports its side
+    channel serves (its pool is in shared memory: shm and tcp); what shm needs (the segment
+    names) comes in shm's own handshake on the side channel, so no shm field is in the params,
+    and D given them as they came pulls over shm and answers as the colocated node does."""
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0}
+    r = httpx.post(cluster["p"].url + "/v1/completions", timeout=60,
+                   json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = r.json()["kv_transfer_params"]
+    assert r.status_code == 200 and params["remote_transports"] == ["shm", "tcp"]
+    assert not [k for k in params if "shm" in k]
+    before = metric(cluster["d_shm"].url, "pdserve:kv_transfer_bytes_total", 'direction="received"')
+    d = httpx.post(cluster["d_shm"].url + "/v1/completions", timeout=60, json={**body, "kv_transfer_params": params})
+    expected = httpx.post(cluster["both"].url + "/v1/completions", timeout=60, json=body).json()["choices"][0]["text"]
+    assert d.status_code == 200 and d.json()["choices"][0]["text"] == expected
+    assert metric(cluster["d_shm"].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') > before
+    assert wait_for_metric(cluster["p"].url, "pdserve:kv_blocks_used", 0) == 0
+
+
 def test_a_bad_first_token_is_refused_before_any_load(cluster):
     fake_p = {"do_remote_prefill": True, "remote_request_id": "r", "remote_block_ids": [0], "remote_host": "127.0.0.1",
               "remote_port": 1}

@@ -66,7 +66,7 @@ def pull(p_pools: list[KVPool], d_pools: list[KVPool], held: HeldBlocks, transpo
     inbox = TransferInbox()
     receiver = KVReceiver(d_transports, d_stats, inbox, transport, timeout_s=10)
     try:
-        receiver.start(LoadSpec("d-1", [DST], [SRC], "p-1", "127.0.0.1", sender.port, p_pools[0].shm_name))
+        receiver.start(LoadSpec("d-1", [DST], [SRC], "p-1", "127.0.0.1", sender.port, p_transports.served()))
         [result] = inbox.poll(timeout=30)
     finally:
         receiver.close()
@@ -107,7 +107,7 @@ def test_a_layerwise_push_fills_every_decode_rank(model, transport, num_kv_heads
     sender = PushSender(p_transports, p_stats, transport, timeout_s=10)
     try:
         receiver.expect("d-1", DST, timeout_s=30)
-        target = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, d_pools[0].shm_name)
+        target = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, d_transports.served())
         push_in_chunks(sender, "p-1", target, [(SRC[:2], DST[:2]), (SRC[2:], DST[2:])], LAYERS)  # two chunks
         [result] = inbox.poll(timeout=30)
     finally:

@@ -20,7 +20,8 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import TRANSPORTS, NodeTransports, PeerPool, choose_transport, transport_class
+from pdserve.kv.transport import (TRANSPORTS, NodeTransports, PeerAddress, PeerPool, choose_transport,
+                                  transport_class)
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 SRC, DST = [3, 4, 5, 9, 10], [20, 7, 8, 0, 1]  # scattered, with a run on both sides
@@ -52,8 +53,9 @@ def connection():
 WHOLE = Piece(0, range(SHAPE[4]), 0, range(SHAPE[4]))  # without TP: all heads, rank 0 to rank 0
 
 
-def peer(pool: KVPool) -> PeerPool:
-    return PeerPool("127.0.0.1", (pool.shm_name,), pool.num_blocks)
+def peer(passive) -> PeerPool:
+    """What the active side knows of `passive` (a transport) once it has accepted: its handshake."""
+    return PeerPool("127.0.0.1", passive.pool.num_blocks, 1, passive.handshake())
 
 
 def only_blocks_written(pool: KVPool, blocks: list[int], layers: range) -> bool:
@@ -70,7 +72,7 @@ def test_read_lands_the_peers_blocks(name, pools, connection):
     client, server = connection
     with ThreadPoolExecutor(1) as pool:
         served = pool.submit(passive.serve_read, server, WHOLE, SRC, range(SHAPE[0]))
-        got = active.read(client, peer(owner), WHOLE, SRC, DST, range(SHAPE[0]))
+        got = active.read(client, peer(passive), WHOLE, SRC, DST, range(SHAPE[0]))
     active.close()
     assert got == served.result() == owner.nbytes(SRC) > 0
     assert torch.equal(reader.tensor[:, :, DST], owner.tensor[:, :, SRC])
@@ -85,7 +87,7 @@ def test_write_lands_one_layer_in_the_peers_blocks(name, pools, connection):
     layer = range(2, 3)
     with ThreadPoolExecutor(1) as pool:
         served = pool.submit(passive.serve_write, server, WHOLE, DST, layer)
-        got = active.write(client, peer(target), WHOLE, SRC, DST, layer)
+        got = active.write(client, peer(passive), WHOLE, SRC, DST, layer)
     active.close()
     assert got == served.result() == owner.nbytes(SRC, layer) > 0
     assert torch.equal(target.tensor[2][:, DST], owner.tensor[2][:, SRC])
@@ -101,7 +103,7 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
     sender = PushSender(p_transports, p_stats, name, timeout_s=10)
     try:
         receiver.expect("d-1", DST, timeout_s=30)
-        push = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, target.shm_name)
+        push = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, d_transports.served())
         # Two steps (chunks), as a chunked prefill pushes them: the first three blocks, then the rest.
         # The last step's sampled token ends the session: D decodes from it.
         push_in_chunks(sender, "p-1", push, [(SRC[:3], DST[:3]), (SRC[3:], DST[3:])], SHAPE[0], first_token=7)
@@ -125,7 +127,7 @@ def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
     receiver = PushReceiver(d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
     sender = PushSender(p_transports, KVStats(), name, timeout_s=10)
     try:
-        push = PushTarget("nobody", [DST], 0, "127.0.0.1", receiver.port, target.shm_name)
+        push = PushTarget("nobody", [DST], 0, "127.0.0.1", receiver.port, d_transports.served())
         sender.begin_step([SaveSpec("p-1", push, [SRC], [DST], last=True)])
         sender.save_kv_layer(0)
         sender.wait_for_save({})
@@ -139,9 +141,39 @@ def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
 
 
 def test_auto_takes_shared_memory_on_this_host_and_tcp_elsewhere():
-    assert choose_transport("auto", "127.0.0.1", "pdserve-kv-x") == "shm"
-    assert choose_transport("auto", "198.18.0.2", "pdserve-kv-x") == "tcp"  # another host
-    assert choose_transport("auto", "127.0.0.1", None) == "tcp"  # the peer has no shared pool
-    assert choose_transport("tcp", "127.0.0.1", "pdserve-kv-x") == "tcp"
+    both = ("shm", "tcp")
+    assert choose_transport("auto", PeerAddress("127.0.0.1", both)) == "shm"
+    assert choose_transport("auto", PeerAddress("198.18.0.2", both)) == "tcp"  # another host
+    assert choose_transport("auto", PeerAddress("127.0.0.1", ("tcp",))) == "tcp"  # the peer has no shared pool
+    assert choose_transport("auto", PeerAddress("127.0.0.1")) == "tcp"  # params that name no transport
+    assert choose_transport("tcp", PeerAddress("127.0.0.1", both)) == "tcp"
     with pytest.raises(ValueError, match="KV transport must be one of shm, tcp, got 'rdma'"):
         transport_class("rdma")
+
+
+def test_a_node_makes_a_transport_when_first_asked_and_advertises_what_it_serves(pools):
+    """Nothing is made up front (an engine a node never uses is never imported); a node whose
+    pools are in shared memory serves every transport, one whose pools are not serves no shm, and
+    a peer naming shm to it is refused with the reason, naming the transport's own words."""
+    shared, _ = pools
+    private = KVPool(SHAPE, torch.bfloat16, "cpu")
+    node, plain = NodeTransports([shared]), NodeTransports([private])
+    assert dict(node) == {} and node.served() == tuple(TRANSPORTS)
+    assert plain.served() == tuple(name for name in TRANSPORTS if name != "shm")
+    assert plain.to_serve("shm", private.layout, 1, producer=True) == "this node has no shared-memory KV pool"
+    assert plain.to_serve("rdma", private.layout, 1, producer=True) == "unknown KV transport 'rdma'"
+    transport, plan = node.to_serve("tcp", shared.layout, 1, producer=True)
+    assert list(node) == ["tcp"] and node["tcp"] is transport and plan == [WHOLE]
+
+
+def test_a_transport_reads_only_its_own_handshake(pools, connection):
+    """shm's handshake names the passive side's segments by rank; bytes that are not one (another
+    transport's, or none) are refused with a protocol error, not mapped."""
+    owner, reader = pools
+    active, passive = transport_class("shm")([reader]), transport_class("shm")([owner])
+    client, _ = connection
+    with pytest.raises(ConnectionError, match="no shm handshake"):
+        active.read(client, PeerPool("127.0.0.1", owner.num_blocks, 1, b""), WHOLE, SRC, DST, range(1))
+    good = peer(passive)
+    assert active.read(client, good, WHOLE, SRC, DST, range(1)) == owner.nbytes(SRC, range(1))
+    active.close()

@@ -54,7 +54,7 @@ def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
         for i in range(repeats + 1):  # the first warms up (maps the peer's pools)
             held.hold(f"p-{i}", join_tables(blocks))
             start = time.perf_counter()
-            receiver.start(LoadSpec(f"d-{i}", blocks, blocks, f"p-{i}", "127.0.0.1", sender.port, p.pool.shm_name,
+            receiver.start(LoadSpec(f"d-{i}", blocks, blocks, f"p-{i}", "127.0.0.1", sender.port, p.served(),
                                     num_tokens))
             [result] = inbox.poll(timeout=60)
             assert result.error is None, result.error
@@ -76,7 +76,7 @@ def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     try:
         for i in range(repeats + 1):
             receiver.expect(f"d-{i}", join_tables(blocks), timeout_s=60)
-            target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.pool.shm_name)
+            target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.served())
             start = time.perf_counter()
             sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True, num_tokens=num_tokens)])
             for layer in range(len(p.pool.layer_slots)):

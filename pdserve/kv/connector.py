@@ -124,7 +124,7 @@ class KVConnectorScheduler:
         self.num_groups = len(group_windows)  # the model's KV groups: a block table each (models/kv_spec.py)
         self.held = held
         self.engine_id = engine_id
-        self.advertised: dict[str, Any] = {}  # host / port / shm name of this node's side channel
+        self.advertised: dict[str, Any] = {}  # host / port / transports of this node's side channel
         self._pending: list[LoadSpec] = []
         self._expects: list[ExpectSpec] = []
         self._cancels: list[str] = []
@@ -190,7 +190,7 @@ class KVConnectorScheduler:
                 remote_request_id=params.remote_request_id,
                 remote_host=params.remote_host,
                 remote_port=params.remote_port,
-                remote_shm_name=params.remote_shm_name,
+                remote_transports=tuple(params.remote_transports or ()),
                 num_tokens=req.num_computed_tokens + num_external_tokens,
                 first_block=first,
             )
@@ -227,7 +227,7 @@ class KVConnectorScheduler:
             if progress is None:
                 target = PushTarget(params.remote_request_id, split_tables(params.remote_block_ids, self.num_groups),
                                     params.remote_first_block, params.remote_host, params.remote_port,
-                                    params.remote_shm_name)
+                                    tuple(params.remote_transports or ()))
                 progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
             # D needs the KV of tokens [0, needed); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
@@ -302,8 +302,8 @@ class KVConnectorWorker:
             self.push_receiver = PushReceiver(self.transports, self.stats, self.inbox, kv.host, kv.port,
                                               kv.wait_timeout_s, secret)
             channel = self.push_receiver
-        return {"remote_host": channel.host, "remote_port": channel.port, "remote_shm_name": pools[0].shm_name,
-                "tp_size": len(pools)}
+        return {"remote_host": channel.host, "remote_port": channel.port,
+                "remote_transports": list(self.transports.served()), "tp_size": len(pools)}
 
     def start_load_kv(self, meta: ConnectorMetadata, advertised: dict[str, Any]) -> None:
         for spec in meta.loads:

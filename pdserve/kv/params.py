@@ -7,7 +7,8 @@ constructors below, the node parses them with `parse` (a 400 naming the field on
 and the connector reads the fields it needs with `require`.
 
   pull, proxy -> P   do_remote_decode
-  pull, P -> proxy   do_remote_prefill, remote_request_id, remote_block_ids, remote_host, ...,
+  pull, P -> proxy   do_remote_prefill, remote_request_id, remote_block_ids, remote_host,
+                     remote_transports, ...,
                      first_token_id (the token P sampled: D decodes from it, computing no prompt token)
   pull, proxy -> D   P's answer as it came
   push, proxy -> D   do_remote_prefill, kv_mode=push, metaserver, proxy_request_id
@@ -39,7 +40,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_block_ids: list[BlockId] | None = None
     remote_host: str | None = None  # the peer's KV side channel
     remote_port: int | None = None
-    remote_shm_name: str | None = None  # the peer's pool in shared memory (same-host transports)
+    # The KV transports the peer's side channel serves (kv/transport/: shm, tcp, ...); what each
+    # needs of the peer travels in its handshake on the side channel. Absent: tcp alone.
+    remote_transports: list[str] | None = None
     remote_first_block: int | None = None  # push: D already holds the blocks before this one
     metaserver: str | None = None  # push: where D announces its blocks (the proxy's /v1/kv/meta)
     proxy_request_id: str | None = None  # push: the proxy's id, to match D's announcement

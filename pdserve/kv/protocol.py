@@ -18,7 +18,8 @@ is marked as arrived. D cancels by sending `Ack(ok=False)` at any time, which P 
 next layer.
 
 `transport` in `PullRequest` and `PushBegin` names a registered transport (kv/transport/); the
-passive side refuses one it does not serve.
+passive side refuses one it does not serve, and accepts with that transport's handshake (`PullReply`,
+`Ack`): opaque bytes only the transport reads (shm: the passive side's segment names).
 
 Tensor parallelism: each side names its TP size (D in `PullRequest` and its push `Ack`, P in
 `PullReply` and `PushBegin`), and both derive the same read plan from the two sizes
@@ -64,9 +65,9 @@ class PullRequest(msgspec.Struct, tag=True):
 class PullReply(msgspec.Struct, tag=True):
     ok: bool
     error: str | None = None
-    shm_names: list[str] = []  # shm transport: P's pools to map, by TP rank
     pool_num_blocks: int = 0
     tp_size: int = 1  # P's
+    handshake: bytes = b""  # what P's transport tells D of P's side (Transport.handshake: shm, P's pools)
 
 
 class PullDone(msgspec.Struct, tag=True):
@@ -78,8 +79,8 @@ class Ack(msgspec.Struct, tag=True):
     ok: bool = True
     error: str | None = None
     pool_num_blocks: int = 0  # D accepting a push: the size of its pools (an shm pusher maps them)
-    shm_names: list[str] = []  # D accepting a push: its pools, by TP rank
     tp_size: int = 1  # D accepting a push: its TP size
+    handshake: bytes = b""  # D accepting a push: what its transport tells P of D's side (Transport.handshake)
 
 
 class PushBegin(msgspec.Struct, tag=True):

@@ -25,7 +25,7 @@ from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import join_tables
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import NodeTransports, PeerPool, Transport, choose_transport
+from pdserve.kv.transport import NodeTransports, PeerAddress, PeerPool, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ class KVSender:
         pools = self.transports
         try:
             start = time.perf_counter()
-            send_msg(conn, PullReply(ok=True, shm_names=pools.shm_names, pool_num_blocks=pools.pool.num_blocks,
-                                     tp_size=pools.tp_size))
+            send_msg(conn, PullReply(ok=True, pool_num_blocks=pools.pool.num_blocks, tp_size=pools.tp_size,
+                                     handshake=transport.handshake()))
             runs = pools.pool.group_runs(req.num_tokens, req.first_block, len(req.block_ids[0]))
             sent = sum(transport.serve_read(conn, piece, req.block_ids[group][skip:], slots)
                        for piece in plan for group, slots, skip in runs)
@@ -80,7 +80,7 @@ class LoadSpec:
     remote_request_id: str
     remote_host: str
     remote_port: int
-    remote_shm_name: str | None = None
+    remote_transports: tuple[str, ...] = ()  # those P serves (none named: tcp)
     num_tokens: int = 0  # the sequence's KV ends here once loaded (0: every group takes every block)
     first_block: int = 0  # each table's first entry is this block of the sequence
 
@@ -100,7 +100,7 @@ class KVReceiver:
         self._executor.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        name = choose_transport(self.transport, spec.remote_host, spec.remote_shm_name)
+        name = choose_transport(self.transport, PeerAddress(spec.remote_host, spec.remote_transports))
         start = time.perf_counter()
         try:
             nbytes = self._pull(spec, self.transports[name])
@@ -121,7 +121,7 @@ class KVReceiver:
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:
                 raise ProtocolError(getattr(reply, "error", None) or "unexpected reply")
-            peer = PeerPool(spec.remote_host, tuple(reply.shm_names), reply.pool_num_blocks, reply.tp_size)
+            peer = PeerPool(spec.remote_host, reply.pool_num_blocks, reply.tp_size, reply.handshake)
             runs = pools.pool.group_runs(spec.num_tokens, spec.first_block, len(spec.local_block_ids[0]))
             # Every D rank's share, piece by piece, over this one connection: PullDone means all have it.
             nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids[group][skip:],

@@ -42,7 +42,7 @@ from pdserve.kv.protocol import (
 )
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import NodeTransports, PeerPool, Transport, choose_transport
+from pdserve.kv.transport import NodeTransports, PeerAddress, PeerPool, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class PushTarget:
     first_block: int  # D already holds blocks before this one (its prefix cache)
     host: str
     port: int
-    shm_name: str | None = None
+    transports: tuple[str, ...] = ()  # those D serves (none named: tcp)
 
 
 @dataclass
@@ -163,7 +163,7 @@ class PushSender:
 
     def _open(self, session: _Session) -> None:
         target = session.target
-        transport = self.transports[choose_transport(self.transport, target.host, target.shm_name)]
+        transport = self.transports[choose_transport(self.transport, PeerAddress(target.host, target.transports))]
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
         send_msg(sock, PushBegin(target.request_id, transport.name, self.transports.pool.layout,
@@ -176,7 +176,7 @@ class PushSender:
         except ValueError as exc:
             raise ProtocolError(str(exc)) from exc
         session.transport = transport
-        session.peer = PeerPool(target.host, tuple(reply.shm_names), reply.pool_num_blocks, reply.tp_size)
+        session.peer = PeerPool(target.host, reply.pool_num_blocks, reply.tp_size, reply.handshake)
 
     def _run(self) -> None:
         """The sender thread: runs queued layer pushes (and step barriers) in order."""
@@ -322,9 +322,10 @@ class PushReceiver:
         transport, plan = claim
         start, nbytes, error, first_token = time.perf_counter(), 0, None, None
         try:
-            # The accept carries our pools (shm: the pusher maps them) and our TP size (the plan).
-            send_msg(conn, Ack(ok=True, pool_num_blocks=self.pool.num_blocks, shm_names=self.transports.shm_names,
-                               tp_size=self.transports.tp_size))
+            # The accept carries our pools' size, our TP size (the plan) and the transport's
+            # handshake (shm: our segments, which the pusher maps).
+            send_msg(conn, Ack(ok=True, pool_num_blocks=self.pool.num_blocks, tp_size=self.transports.tp_size,
+                               handshake=transport.handshake()))
             while True:
                 msg = recv_msg(conn)
                 if isinstance(msg, PushDone):

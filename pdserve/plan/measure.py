@@ -97,7 +97,7 @@ def bench_backends(mib: int, repeats: int, names: tuple[str, ...] = tuple(TRANSP
                 receiver.transport = transport
                 times = []
                 for i in range(repeats):
-                    spec = LoadSpec(f"d{i}", [dst], [ids], f"{transport}-{layout}-{i}", host, int(port), shm_name)
+                    spec = LoadSpec(f"d{i}", [dst], [ids], f"{transport}-{layout}-{i}", host, int(port), (transport,))
                     start = time.perf_counter()
                     receiver.start(spec)
                     res = inbox.poll(timeout=60)

@@ -1,5 +1,11 @@
 """NodeTransports by name. A new transport is one module with a `Transport` subclass plus one line
-here; `tests/test_transports.py` runs the conformance suite against every entry.
+here; `tests/test_transports.py` runs the conformance suite against every entry. Whatever a
+transport needs of its peer (shm's segment names, a transfer engine's session and addresses) it
+puts in its own handshake (Transport.handshake), which the side channel carries as opaque bytes:
+no other module knows a transport's fields.
+
+A node makes a transport the first time it uses it (a node never imports an engine it does not
+use), and advertises in its kv_transfer_params the ones it can serve (`remote_transports`).
 
 Order matters: `auto` takes the first transport that reaches the peer (shm on the same host,
 else tcp, which reaches everywhere).
@@ -9,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.kv.transport.base import PeerPool, Transport
+from pdserve.kv.transport.base import TCP_ONLY, PeerAddress, PeerPool, Transport
 from pdserve.registry import Registry
 
 if TYPE_CHECKING:  # the registry imports nothing heavy: the CLI reads it for its choices
@@ -23,28 +29,30 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
 })
 AUTO = "auto"
 
-__all__ = ["AUTO", "TRANSPORTS", "NodeTransports", "PeerPool", "Transport", "choose_transport",
-           "transport_class", "uses_shared_pool"]
+__all__ = ["AUTO", "TCP_ONLY", "TRANSPORTS", "NodeTransports", "PeerAddress", "PeerPool", "Transport",
+           "choose_transport", "transport_class", "uses_shared_pool"]
 
 
 class NodeTransports(dict[str, Transport]):
-    """A node's transports by name, over its pools, one per TP rank (a passive side serves whichever
-    a peer names)."""
+    """A node's transports by name, over its pools, one per TP rank, each made when first asked
+    for (a passive side serves whichever a peer names)."""
 
     def __init__(self, pools: list[KVPool]) -> None:
-        super().__init__({name: transport_class(name)(pools) for name in TRANSPORTS})
+        super().__init__()
         self.pools = pools
         self.pool = pools[0]
+
+    def __missing__(self, name: str) -> Transport:
+        transport = self[name] = transport_class(name)(self.pools)
+        return transport
 
     @property
     def tp_size(self) -> int:
         return len(self.pools)
 
-    @property
-    def shm_names(self) -> list[str]:
-        """The pools in shared memory, by rank (none unless every rank's is)."""
-        names = [pool.shm_name for pool in self.pools]
-        return names if all(names) else []
+    def served(self) -> tuple[str, ...]:
+        """The transports a peer may name to this node (what its kv_transfer_params advertise)."""
+        return tuple(name for name in TRANSPORTS if transport_class(name).serve_error(self.pools) is None)
 
     def pieces(self, peer_tp: int, producer: bool) -> list[Piece]:
         """This node's side of the read plan with a peer of TP `peer_tp` (ValueError if it cannot split the heads)."""
@@ -61,14 +69,16 @@ class NodeTransports(dict[str, Transport]):
             differ = [f"{field} {getattr(ours, field)} here, {getattr(layout, field)} on the peer"
                       for field in ours.__struct_fields__ if getattr(ours, field) != getattr(layout, field)]
             return "KV layout mismatch: " + "; ".join(differ)
-        transport = self.get(name)
-        if transport is None:
+        if name not in TRANSPORTS:
             return f"unknown KV transport {name!r}"
+        error = transport_class(name).serve_error(self.pools)
+        if error:
+            return error
         try:
             plan = self.pieces(peer_tp, producer)
         except ValueError as exc:
             return str(exc)
-        return transport.serve_error() or (transport, plan)
+        return self[name], plan
 
     def close(self) -> None:
         for transport in self.values():
@@ -79,11 +89,12 @@ def transport_class(name: str) -> type[Transport]:
     return TRANSPORTS.get(name)
 
 
-def choose_transport(configured: str, peer_host: str, peer_shm_name: str | None) -> str:
-    """The transport to use with a peer: the configured one, or for auto the first that reaches it."""
+def choose_transport(configured: str, peer: PeerAddress) -> str:
+    """The transport to use with a peer: the configured one, or for auto the first that reaches it
+    (tcp, whatever the peer advertises: every node serves it)."""
     if configured != AUTO:
         return configured
-    return next(name for name in TRANSPORTS if transport_class(name).reaches(peer_host, peer_shm_name))
+    return next((name for name in TRANSPORTS if transport_class(name).reaches(peer)), TCP_ONLY[0])
 
 
 def uses_shared_pool(configured: str) -> bool:

@@ -23,14 +23,30 @@ if TYPE_CHECKING:
     from pdserve.kv.tp_plan import Piece
 
 
+TCP_ONLY = ("tcp",)  # what a peer that advertises none serves: every node serves tcp
+
+
 @dataclass(frozen=True)
-class PeerPool:
-    """What the active side knows of the peer's pool once the peer has accepted the transfer."""
+class PeerAddress:
+    """A peer as its kv_transfer_params advertise it, before any connection: its side channel's
+    host and the transports it serves (`auto` takes the first of ours that reaches it)."""
 
     host: str
-    shm_names: tuple[str, ...]  # the peer's pools in shared memory, by TP rank (empty: none)
-    num_blocks: int  # of each
+    advertised: tuple[str, ...] = ()
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        return self.advertised or TCP_ONLY
+
+
+@dataclass(frozen=True)
+class PeerPool:
+    """What the active side knows of the peer's pools once the peer has accepted the transfer."""
+
+    host: str
+    num_blocks: int  # of each rank's pool
     tp_size: int = 1
+    handshake: bytes = b""  # the peer's transport describing its side (Transport.handshake): opaque here
 
 
 class Transport(ABC):
@@ -45,14 +61,22 @@ class Transport(ABC):
         self.pools = pools  # by TP rank
         self.pool = pools[0]
 
-    @staticmethod
-    def reaches(peer_host: str, peer_shm_name: str | None) -> bool:
+    @classmethod
+    def reaches(cls, peer: PeerAddress) -> bool:
         """Whether this transport can reach that peer (`auto` takes the first registered that can)."""
-        return True
+        return cls.name in peer.transports
 
-    def serve_error(self) -> str | None:
-        """Why this node cannot be the passive side of this transport, or None."""
+    @classmethod
+    def serve_error(cls, pools: list[KVPool]) -> str | None:
+        """Why a node of these pools cannot be the passive side of this transport, or None."""
         return None
+
+    def handshake(self) -> bytes:
+        """What an active peer needs to know of this side to move the bytes (shm: the pools'
+        segment names; a transfer engine: its session and registered addresses). The passive side
+        sends it on the side channel when it accepts a transfer (PullReply, the push's Ack) and
+        the active side's transport reads it back from PeerPool.handshake."""
+        return b""
 
     # -- active side ----------------------------------------------------------------------------
 

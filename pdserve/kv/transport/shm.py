@@ -8,10 +8,12 @@ import ipaddress
 import socket
 import threading
 
+import msgspec
+
 from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport.base import PeerPool, Transport
+from pdserve.kv.transport.base import PeerAddress, PeerPool, Transport
 from pdserve.models.parallel import kv_heads
 
 
@@ -37,6 +39,12 @@ def on_this_host(host: str) -> bool:
         return False
 
 
+class ShmHandshake(msgspec.Struct, frozen=True):
+    """shm's side of the handshake: the passive node's pools in shared memory, by TP rank."""
+
+    segments: tuple[str, ...]
+
+
 class ShmTransport(Transport):
     name = "shm"
     copies_inline = True
@@ -47,12 +55,16 @@ class ShmTransport(Transport):
         self._remote_pools: dict[str, KVPool] = {}
         self._lock = threading.Lock()  # loads run on several threads
 
-    @staticmethod
-    def reaches(peer_host: str, peer_shm_name: str | None) -> bool:
-        return bool(peer_shm_name) and on_this_host(peer_host)
+    @classmethod
+    def reaches(cls, peer: PeerAddress) -> bool:
+        return cls.name in peer.transports and on_this_host(peer.host)
 
-    def serve_error(self) -> str | None:
-        return None if all(pool.shm_name for pool in self.pools) else "this node has no shared-memory KV pool"
+    @classmethod
+    def serve_error(cls, pools: list[KVPool]) -> str | None:
+        return None if all(pool.shm_name for pool in pools) else "this node has no shared-memory KV pool"
+
+    def handshake(self) -> bytes:
+        return msgspec.msgpack.encode(ShmHandshake(tuple(pool.shm_name for pool in self.pools)))
 
     def read(self, conn: socket.socket, peer: PeerPool, piece: Piece, remote_ids: list[int], local_ids: list[int],
              layers: range) -> int:
@@ -72,9 +84,13 @@ class ShmTransport(Transport):
 
     def _map(self, peer: PeerPool, rank: int) -> KVPool:
         """The peer's rank `rank` pool, mapped once: its ranks hold other shares of the heads than ours."""
-        if rank >= len(peer.shm_names):
-            raise ProtocolError("the peer has no shared-memory KV pool")
-        name = peer.shm_names[rank]
+        try:
+            segments = msgspec.msgpack.decode(peer.handshake, type=ShmHandshake).segments
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"the peer sent no shm handshake: {exc}") from exc
+        if rank >= len(segments):
+            raise ProtocolError(f"the peer's shm handshake names {len(segments)} pools, not rank {rank}'s")
+        name = segments[rank]
         with self._lock:
             remote = self._remote_pools.get(name)
             if remote is None:
