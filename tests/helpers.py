@@ -88,3 +88,15 @@ def divergence_margin(llm, prompt_ids: list[int], ours: list[int], theirs: list[
     top = dict(out.logprobs[0].top)
     a, b = top.get(ours[index]), top.get(theirs[index])
     return index, float("inf") if a is None or b is None else abs(a - b)
+
+
+def every_transport() -> list:
+    """Every registered KV transport as a test parameter; one whose library cannot load here (a
+    transfer engine not installed) is skipped, the reason printed."""
+    import pytest
+
+    from pdserve.kv.transport import TRANSPORTS, transport_class
+
+    return [pytest.param(name, marks=pytest.mark.skipif(bool(transport_class(name).unavailable()),
+                                                        reason=str(transport_class(name).unavailable())))
+            for name in TRANSPORTS]

@@ -61,11 +61,15 @@ class Procs(ProcessGroup):
 
 
 def metric(url: str, name: str, labels: str | None = None) -> float:
-    """Value of one sample from a Prometheus /metrics page (0 when absent)."""
+    """A sample from a Prometheus /metrics page (0 when absent): the one without labels, or the sum
+    of those whose labels include every `key="value"` of `labels` (e.g. over every transport)."""
     text = httpx.get(url + "/metrics", timeout=5.0).text
-    label_re = r"\{" + re.escape(labels) + r"\}" if labels else r"(?:\{\})?"
-    match = re.search(rf"^{re.escape(name)}{label_re} ([0-9.eE+-]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    if not labels:
+        match = re.search(rf"^{re.escape(name)}(?:\{{\}})? ([0-9.eE+-]+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+    pairs = re.compile(r'\w+="[^"]*"')
+    samples = re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.eE+-]+)$", text, re.M)
+    return sum(float(value) for found, value in samples if set(pairs.findall(labels)) <= set(pairs.findall(found)))
 
 
 def wait_for_metric(url: str, name: str, expected: float, timeout: float = 10.0) -> float:

@@ -10,6 +10,8 @@ import socket
 import pytest
 import torch
 
+from helpers import every_transport
+
 from pdserve.kv.channel import AuthError, client_handshake
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
@@ -17,7 +19,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, NodeTransports
+from pdserve.kv.transport import NodeTransports
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 
@@ -48,7 +50,7 @@ def pull(sender: KVSender, served, transport: str, secret: bytes, src, dst, requ
     return result, local, stats
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("transport", every_transport())
 def test_pulled_blocks_arrive_intact_and_both_ends_count_them(prefill_side, transport):
     pool, held, sender, p_stats = prefill_side
     src, dst = [3, 4, 5, 9], [20, 7, 8, 0]  # scattered on both sides

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import push_in_chunks
+from helpers import every_transport, push_in_chunks
 
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
@@ -14,7 +14,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, NodeTransports
+from pdserve.kv.transport import NodeTransports
 from pdserve.models.parallel import kv_heads
 
 LAYERS, BLOCKS, SLOTS, HEAD_DIM = 3, 16, 4, 8
@@ -76,7 +76,7 @@ def pull(p_pools: list[KVPool], d_pools: list[KVPool], held: HeldBlocks, transpo
     return result
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("transport", every_transport())
 @pytest.mark.parametrize("num_kv_heads, tp_p, tp_d", PAIRS)
 def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads(model, transport, num_kv_heads,
                                                                                tp_p, tp_d):
@@ -96,7 +96,7 @@ def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads
         close(p_pools, d_pools)
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("transport", every_transport())
 @pytest.mark.parametrize("num_kv_heads, tp_p, tp_d", PAIRS)
 def test_a_layerwise_push_fills_every_decode_rank(model, transport, num_kv_heads, tp_p, tp_d):
     model = model[..., :num_kv_heads, :].contiguous()

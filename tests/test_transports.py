@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import push_in_chunks
+from helpers import every_transport, push_in_chunks
 
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
@@ -25,7 +25,7 @@ from pdserve.kv.transport import (TRANSPORTS, NodeTransports, PeerAddress, PeerP
 
 SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 SRC, DST = [3, 4, 5, 9, 10], [20, 7, 8, 0, 1]  # scattered, with a run on both sides
-ALL = list(TRANSPORTS)
+ALL = every_transport()
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_auto_takes_shared_memory_on_this_host_and_tcp_elsewhere():
     assert choose_transport("auto", PeerAddress("127.0.0.1", ("tcp",))) == "tcp"  # the peer has no shared pool
     assert choose_transport("auto", PeerAddress("127.0.0.1")) == "tcp"  # params that name no transport
     assert choose_transport("tcp", PeerAddress("127.0.0.1", both)) == "tcp"
-    with pytest.raises(ValueError, match="KV transport must be one of shm, tcp, got 'rdma'"):
+    with pytest.raises(ValueError, match="KV transport must be one of shm, tcp, mooncake, got 'rdma'"):
         transport_class("rdma")
 
 
@@ -158,8 +158,9 @@ def test_a_node_makes_a_transport_when_first_asked_and_advertises_what_it_serves
     shared, _ = pools
     private = KVPool(SHAPE, torch.bfloat16, "cpu")
     node, plain = NodeTransports([shared]), NodeTransports([private])
-    assert dict(node) == {} and node.served() == tuple(TRANSPORTS)
-    assert plain.served() == tuple(name for name in TRANSPORTS if name != "shm")
+    installed = tuple(name for name in TRANSPORTS if not transport_class(name).unavailable())
+    assert dict(node) == {} and node.served() == installed and installed[:2] == ("shm", "tcp")
+    assert plain.served() == tuple(name for name in installed if name != "shm")
     assert plain.to_serve("shm", private.layout, 1, producer=True) == "this node has no shared-memory KV pool"
     assert plain.to_serve("rdma", private.layout, 1, producer=True) == "unknown KV transport 'rdma'"
     transport, plan = node.to_serve("tcp", shared.layout, 1, producer=True)

@@ -38,7 +38,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import NodeTransports
+from pdserve.kv.transport import AUTO, NodeTransports
 from pdserve.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -287,9 +287,11 @@ class KVConnectorWorker:
         address and TP size, for the peer's kv_transfer_params."""
         kv = self.config
         secret = resolve_secret(kv.secret)
-        self.transports = NodeTransports(pools)
+        self.transports = NodeTransports(pools, kv.host)
         if not (kv.is_producer or kv.is_consumer):
             return {}
+        if kv.transport != AUTO:  # the one this node drives transfers over: started (pools registered) now
+            self.transports[kv.transport]
         # The side channel peers reach: P's (and kv_both's) serves pulls, D's takes pushes.
         if kv.is_producer:
             self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret)

@@ -193,13 +193,20 @@ class KVPool:
 
 def copy_block_runs(src: torch.Tensor, src_ids: list[int], out: torch.Tensor, dst_ids: list[int]) -> int:
     """Copy blocks along dim 2 of [layers, planes, blocks, ...] tensors, one copy per common run."""
-    # Align source and destination runs: walk both lists in step and copy maximal common runs.
-    copied, i, n = 0, 0, len(src_ids)
-    while i < n:
-        j = i + 1
-        while j < n and src_ids[j] == src_ids[j - 1] + 1 and dst_ids[j] == dst_ids[j - 1] + 1:
-            j += 1
-        out[:, :, dst_ids[i] : dst_ids[i] + (j - i)].copy_(src[:, :, src_ids[i] : src_ids[i] + (j - i)])
-        copied += j - i
-        i = j
+    copied = 0
+    for first_src, first_dst, count in common_runs(src_ids, dst_ids):
+        out[:, :, first_dst : first_dst + count].copy_(src[:, :, first_src : first_src + count])
+        copied += count
     return copied * out[:, :, 0].numel() * out.element_size()
+
+
+def common_runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+    """(first of a, first of b, count) of the maximal runs where both lists go up by one in step."""
+    runs, i = [], 0
+    while i < len(a):
+        j = i + 1
+        while j < len(a) and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
+            j += 1
+        runs.append((a[i], b[i], j - i))
+        i = j
+    return runs

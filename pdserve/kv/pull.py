@@ -63,7 +63,7 @@ class KVSender:
         finally:
             self.held.unpin(req.request_id, done)
         if done:
-            self.stats.add_sent(sent, time.perf_counter() - start)
+            self.stats.add_sent(sent, time.perf_counter() - start, transport.name)
             send_msg(conn, Ack())
 
     def close(self) -> None:
@@ -110,7 +110,7 @@ class KVReceiver:
             self.inbox.put(TransferResult(spec.request_id, f"{type(exc).__name__}: {exc}", "pull", name))
             return
         seconds = time.perf_counter() - start
-        self.stats.add_received(nbytes, seconds)
+        self.stats.add_received(nbytes, seconds, name)
         self.inbox.put(TransferResult(spec.request_id, None, "pull", name, seconds, nbytes))
 
     def _pull(self, spec: LoadSpec, transport: Transport) -> int:

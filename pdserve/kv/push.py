@@ -144,7 +144,8 @@ class PushSender:
                 self._sessions.pop(spec.request_id, None)
                 if session.error is None:
                     self._end(session, ok=True, first_token_id=sampled.get(spec.request_id))
-                    self.stats.add_sent(session.nbytes, time.perf_counter() - session.started)
+                    seconds = time.perf_counter() - session.started
+                    self.stats.add_sent(session.nbytes, seconds, session.transport.name)
         self._step = []
 
     def abort(self, request_id: str) -> None:
@@ -358,7 +359,7 @@ class PushReceiver:
             self._expected.pop(rid, None)
         if error is None:
             seconds = time.perf_counter() - start
-            self.stats.add_received(nbytes, seconds)
+            self.stats.add_received(nbytes, seconds, transport.name)
             self.inbox.put(TransferResult(rid, None, "push", transport.name, seconds, nbytes, first_token))
             send_msg(conn, Ack(ok=True))
         else:

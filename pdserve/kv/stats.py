@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,8 @@ class KVStatsSnapshot:
     transfers_failed: int = 0
     holds_expired: int = 0
     remote_tokens: int = 0  # prompt tokens whose KV came from a P (D side)
+    # (direction "sent" | "received", transport) -> (bytes, seconds): the totals above by transport
+    by_transport: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
 
 
 class KVStats:
@@ -23,15 +25,23 @@ class KVStats:
         self._lock = threading.Lock()
         self._counts = KVStatsSnapshot()
 
-    def _add(self, **deltas: float) -> None:
+    def _add(self, moved: tuple[str, str, int, float] | None = None, **deltas: float) -> None:
         with self._lock:
-            self._counts = replace(self._counts, **{k: getattr(self._counts, k) + v for k, v in deltas.items()})
+            counts = self._counts
+            changes = {k: getattr(counts, k) + v for k, v in deltas.items()}
+            if moved is not None:  # (direction, transport, bytes, seconds)
+                direction, transport, nbytes, seconds = moved
+                old_bytes, old_seconds = counts.by_transport.get((direction, transport), (0, 0.0))
+                changes["by_transport"] = {**counts.by_transport,
+                                           (direction, transport): (old_bytes + nbytes, old_seconds + seconds)}
+            self._counts = replace(counts, **changes)
 
-    def add_sent(self, nbytes: int, seconds: float) -> None:
-        self._add(bytes_sent=nbytes, send_seconds=seconds)
+    def add_sent(self, nbytes: int, seconds: float, transport: str) -> None:
+        self._add(("sent", transport, nbytes, seconds), bytes_sent=nbytes, send_seconds=seconds)
 
-    def add_received(self, nbytes: int, seconds: float) -> None:
-        self._add(bytes_received=nbytes, receive_seconds=seconds, transfers_received=1)
+    def add_received(self, nbytes: int, seconds: float, transport: str) -> None:
+        self._add(("received", transport, nbytes, seconds), bytes_received=nbytes, receive_seconds=seconds,
+                  transfers_received=1)
 
     def add_failed(self) -> None:
         self._add(transfers_failed=1)

@@ -98,12 +98,13 @@ class _EngineCounters(Collector):
 
     def collect(self):
         s = self.stats().kv
-        nbytes = CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes moved", labels=["direction"])
-        nbytes.add_metric(["sent"], s.bytes_sent)
-        nbytes.add_metric(["received"], s.bytes_received)
-        seconds = CounterMetricFamily("pdserve:kv_transfer_seconds", "Time spent moving KV", labels=["direction"])
-        seconds.add_metric(["sent"], s.send_seconds)
-        seconds.add_metric(["received"], s.receive_seconds)
+        # By direction and transport, each transfer counted once on each end, whichever moved the bytes
+        nbytes = CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes moved", labels=["direction", "transport"])
+        seconds = CounterMetricFamily("pdserve:kv_transfer_seconds", "Time spent moving KV",
+                                      labels=["direction", "transport"])
+        for (direction, transport), (moved, spent) in sorted(s.by_transport.items()):
+            nbytes.add_metric([direction, transport], moved)
+            seconds.add_metric([direction, transport], spent)
         yield nbytes
         yield seconds
         yield CounterMetricFamily("pdserve:kv_transfers_failed", "KV loads that failed", value=s.transfers_failed)

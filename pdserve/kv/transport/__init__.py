@@ -26,24 +26,26 @@ if TYPE_CHECKING:  # the registry imports nothing heavy: the CLI reads it for it
 TRANSPORTS: Registry[Transport] = Registry("KV transport", {
     "shm": "pdserve.kv.transport.shm:ShmTransport",
     "tcp": "pdserve.kv.transport.tcp:TcpTransport",
+    "mooncake": "pdserve.kv.transport.mooncake:MooncakeTransport",
 })
 AUTO = "auto"
 
 __all__ = ["AUTO", "TCP_ONLY", "TRANSPORTS", "NodeTransports", "PeerAddress", "PeerPool", "Transport",
-           "choose_transport", "transport_class", "uses_shared_pool"]
+           "check_available", "choose_transport", "transport_class", "uses_shared_pool"]
 
 
 class NodeTransports(dict[str, Transport]):
     """A node's transports by name, over its pools, one per TP rank, each made when first asked
     for (a passive side serves whichever a peer names)."""
 
-    def __init__(self, pools: list[KVPool]) -> None:
+    def __init__(self, pools: list[KVPool], host: str = "127.0.0.1") -> None:
         super().__init__()
         self.pools = pools
         self.pool = pools[0]
+        self.host = host  # the node's KV host (a transfer engine listens there)
 
     def __missing__(self, name: str) -> Transport:
-        transport = self[name] = transport_class(name)(self.pools)
+        transport = self[name] = transport_class(name)(self.pools, self.host)
         return transport
 
     @property
@@ -78,7 +80,10 @@ class NodeTransports(dict[str, Transport]):
             plan = self.pieces(peer_tp, producer)
         except ValueError as exc:
             return str(exc)
-        return self[name], plan
+        try:
+            return self[name], plan
+        except (ImportError, RuntimeError) as exc:  # a transfer engine that would not start here
+            return f"KV transport {name!r} cannot start on this node: {exc}"
 
     def close(self) -> None:
         for transport in self.values():
@@ -87,6 +92,15 @@ class NodeTransports(dict[str, Transport]):
 
 def transport_class(name: str) -> type[Transport]:
     return TRANSPORTS.get(name)
+
+
+def check_available(configured: str) -> None:
+    """ValueError naming `--kv-transport` and what is missing, where the configured transport
+    cannot run in this process (its library absent); auto needs none beyond tcp."""
+    if configured != AUTO:
+        reason = transport_class(configured).unavailable()
+        if reason:
+            raise ValueError(f"--kv-transport {configured}: {reason}")
 
 
 def choose_transport(configured: str, peer: PeerAddress) -> str:

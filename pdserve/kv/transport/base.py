@@ -57,9 +57,15 @@ class Transport(ABC):
     # Pools must be created in shared memory for a peer to use this transport.
     needs_shared_pool: ClassVar[bool] = False
 
-    def __init__(self, pools: list[KVPool]) -> None:
+    def __init__(self, pools: list[KVPool], host: str = "127.0.0.1") -> None:
         self.pools = pools  # by TP rank
         self.pool = pools[0]
+        self.host = host  # the node's KV host: where a transfer engine of its own listens
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this transport cannot run in this process (a library missing), or None."""
+        return None
 
     @classmethod
     def reaches(cls, peer: PeerAddress) -> bool:

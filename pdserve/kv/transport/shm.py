@@ -50,8 +50,8 @@ class ShmTransport(Transport):
     copies_inline = True
     needs_shared_pool = True
 
-    def __init__(self, pools: list[KVPool]) -> None:
-        super().__init__(pools)
+    def __init__(self, pools: list[KVPool], host: str = "127.0.0.1") -> None:
+        super().__init__(pools, host)
         self._remote_pools: dict[str, KVPool] = {}
         self._lock = threading.Lock()  # loads run on several threads
 

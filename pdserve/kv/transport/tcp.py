@@ -21,8 +21,8 @@ LARGE_SEGMENT = 64 << 10
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, pools: list[KVPool]) -> None:
-        super().__init__(pools)
+    def __init__(self, pools: list[KVPool], host: str = "127.0.0.1") -> None:
+        super().__init__(pools, host)
         self.data = [pool.byte_view() for pool in pools]
 
     def read(self, conn: socket.socket, peer: PeerPool, piece: Piece, remote_ids: list[int], local_ids: list[int],
