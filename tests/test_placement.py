@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -16,11 +17,12 @@ from test_plan_simulator import known_profile
 
 from pdserve.kv.events import KVSnapshot
 from pdserve.kv.prefix_hash import block_hashes
+from pdserve.kv.transport import PeerAddress, choose_transport
 from pdserve.plan.profile import Profile
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.flows.auto import AutoFlow
 from pdserve.proxy.membership import Membership
-from pdserve.proxy.placement import Placer, PromptView
+from pdserve.proxy.placement import Placer, PromptView, pair_transport
 from pdserve.proxy.policies import Node, NoHealthyNode
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
 from pdserve.proxy.speed import DecodeWindow, NodeSpeed
@@ -78,6 +80,33 @@ def test_a_prompt_that_would_stall_the_decoding_streams_goes_to_a_prefill_node(t
     assert choice.stall_s == pytest.approx(4 * last_token)
     p.prefill_backlog_until = time.monotonic() + 30.0  # P is 30 s behind: D's stall is the lesser harm
     assert placer(tmp_path, [p, d]).place(list(range(100)), [p], [d]).choice == "local"
+
+
+def test_a_remote_prefill_is_priced_over_the_transport_the_pair_would_use(tmp_path):
+    """The proxy reads each node's KV labels (its --kv-transport, KV host, the transports it
+    serves) and prices P -> D over what D would choose: the rule agrees with the nodes' own
+    choose_transport (which the proxy may not import) on every combination, and a pair on one
+    host (shm, free here) prices the transfer 50 ms below one that must use tcp (50 ms here)."""
+    for configured in ("auto", "tcp", "shm", "mooncake"):
+        for d_host, p_host in (("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.2"), ("198.18.0.1", "198.18.0.2"),
+                               ("198.18.0.1", "198.18.0.1"), ("127.0.0.1", "")):
+            for served in (("shm", "tcp"), ("tcp",), ("shm", "tcp", "mooncake"), ()):
+                d = Node("http://d:1", "decode", engine={"kv_transport": configured, "kv_host": d_host})
+                p = Node("http://p:1", "prefill", engine={"kv_host": p_host, "kv_transports": ",".join(served)})
+                assert pair_transport(d, p) == choose_transport(configured, PeerAddress(p_host, served), here=d_host)
+    assert pair_transport(Node("http://d:1", "decode"), Node("http://p:1", "prefill")) == "tcp"  # no KV labels
+
+    def remote_ttft(d_transport: str) -> float:
+        p = Node("http://p:1", "prefill", engine={"kv_host": "127.0.0.1", "kv_transports": "shm,tcp"})
+        d = Node("http://d:1", "decode", engine={"kv_transport": d_transport, "kv_host": "127.0.0.1"})
+        d.active_requests = 4  # streams decoding on D: the prompt goes to P
+        chooser = placer(tmp_path, [p, d])
+        chooser.costs = replace(chooser.costs, transfer={"shm": (0.0, 0.0), "tcp": (0.05, 0.0)})
+        choice = chooser.place(list(range(100)), [p], [d])
+        assert choice.choice == "remote"
+        return choice.ttft_s
+
+    assert remote_ttft("tcp") - remote_ttft("auto") == pytest.approx(0.05)
 
 
 def test_the_node_holding_the_prefix_wins_unless_its_copy_is_stale(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.kv.transport import available
 from pdserve.plan.fit import fit_linear
 from pdserve.plan.profile import Profile, decode_features
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
@@ -79,7 +80,7 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
         (n, c) for n in (16, 128, 512, 1024) for c in (256, 1024)}
     assert {(s["seqs"], s["context"]) for s in samples["decode"]} == {(b, c) for b in (1, 4, 8) for c in (128, 1024)}
     assert profile.decode_step.features == ["one", "seqs", "kv_tokens", "seqs>4"]
-    assert set(profile.transfer) == {s["transport"] for s in samples["transfer"]} == {"tcp", "shm"}
+    assert set(profile.transfer) == {s["transport"] for s in samples["transfer"]} == set(available())  # shm, tcp, ...
     assert profile.startup_s > 0
     # A chunk of 512 after 512 tokens costs more than one of 512 alone (attention).
     assert profile.prefill_chunk.predict({"tokens": 512, "attention_pairs": 512 * (512 + 256)}) > \

@@ -29,7 +29,7 @@ from pdserve.kv.pool import KVPool
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, NodeTransports
+from pdserve.kv.transport import NodeTransports, available
 from pdserve.models.parallel import kv_heads
 
 LAYERS, HEAD_DIM, BLOCK = 30, 64, 16
@@ -105,7 +105,7 @@ def time_transfers(p_pools: list[KVPool], d_pools: list[KVPool], repeats: int) -
     p, d = NodeTransports(p_pools), NodeTransports(d_pools)
     out: dict = {"mib": sum(pool.nbytes(blocks) for pool in d_pools) / 2**20, "pieces": len(d.pieces(len(p_pools), False))}
     try:
-        for transport in TRANSPORTS:
+        for transport in available():
             for mode, run in (("pull", time_pull), ("push", time_push)):
                 out[f"{mode}_{transport}_ms"] = 1e3 * statistics.median(run(p, d, transport, [blocks], repeats))
     finally:

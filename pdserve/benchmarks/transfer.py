@@ -3,7 +3,8 @@
     python -m pdserve.benchmarks.transfer [--mib 64] [--repeats 5] [--prompt-lens 512 2048]
 
 Part 1 moves a SmolLM2-shaped set of blocks between two processes with the real connector code,
-over tcp and over shared memory, contiguous and scattered, against memcpy of the same segments
+over every transport that runs here (tcp, shared memory, the Mooncake Transfer Engine where it is
+installed), contiguous and scattered, against memcpy of the same segments
 (pdserve.plan.measure.bench_backends, which profiles use too). Part 2 starts real P and D nodes
 (one core each) and measures, for 512- and 2048-token prompts, TTFT = P's prefill request + D's time to its first streamed token,
 and how much of it was the KV transfer (D's x-pdserve-kv-load-ms).
@@ -20,6 +21,7 @@ import httpx
 import torch
 
 from pdserve.benchmarks.report import publish
+from pdserve.kv.transport import available
 from pdserve.plan.measure import bench_backends
 from pdserve.platform import plan_kernels
 
@@ -28,11 +30,10 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
     from pdserve.procs import Child, ProcessGroup, cluster_env
 
     common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
-    nodes = {
-        "p": Child.on_free_port("p", ["serve", "--role", "prefill", *common], 0),
-        "tcp": Child.on_free_port("d-tcp", ["serve", "--role", "decode", "--kv-transport", "tcp", *common], 1),
-        "shm": Child.on_free_port("d-shm", ["serve", "--role", "decode", "--kv-transport", "shm", *common], 1),
-    }
+    nodes = {"p": Child.on_free_port("p", ["serve", "--role", "prefill", *common], 0)}
+    for transport in available():  # a D node pulling over each (mooncake where its engine is installed)
+        nodes[transport] = Child.on_free_port(f"d-{transport}", ["serve", "--role", "decode", "--kv-transport",
+                                                                  transport, *common], 1)
     cluster = ProcessGroup(cluster_env())
     out: dict = {}
     try:
@@ -40,7 +41,7 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
         g = torch.Generator().manual_seed(0)
         with httpx.Client(timeout=600) as client:
             for length in prompt_lens:
-                for transport in ("tcp", "shm"):
+                for transport in available():
                     rows = []
                     for _ in range(repeats + 1):  # the first run warms up this shape
                         prompt = torch.randint(1000, 40000, (length,), generator=g).tolist()
@@ -79,7 +80,7 @@ def markdown(res: dict, args) -> str:
         "| backend | contiguous blocks GB/s | scattered blocks GB/s |",
         "|---|---|---|",
     ]
-    for name in ("memcpy", "shm", "tcp"):
+    for name in ("memcpy", *available()):
         lines.append(f"| {name} | {b[f'{name}_contiguous_gbps']:.2f} | {b[f'{name}_scattered_gbps']:.2f} |")
     lines += ["", "Transfer time inside TTFT (real P and D nodes, median of the runs):", "",
               "| prompt tokens | transport | TTFT (ms) | P prefill request (ms) | KV transfer (ms) | transfer share |",

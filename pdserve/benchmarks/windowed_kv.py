@@ -28,7 +28,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.kv.params import join_tables
 from pdserve.kv.pool import KVPool
-from pdserve.kv.transport import TRANSPORTS, NodeTransports
+from pdserve.kv.transport import NodeTransports, available
 from pdserve.models.locate import resolve_model_dir
 from pdserve.models.registry import model_class, read_model_config
 from pdserve.platform import CpuInfo
@@ -70,7 +70,7 @@ def measure(spec, prompt_len: int, repeats: int) -> dict:
     out |= {"held_every_layer_mib": groups * -(-(prompt_len + 1) // BLOCK) * block_mib,
             "held_peak_mib": peak * block_mib, "held_decoding_mib": decoding * block_mib}
     try:
-        for transport in TRANSPORTS:
+        for transport in available():
             for mode, run in (("pull", time_pull), ("push", time_push)):
                 for kind, tokens in (("full", 0), ("windowed", num_tokens)):
                     seconds = run(p, d, transport, blocks, repeats, tokens)

@@ -302,7 +302,16 @@ class LLMEngine:
                 "batch_invariant": str(self.config.batch_invariant).lower(),
                 "max_prefill_tokens_while_decoding": prefill_cap_label(self.config.max_prefill_tokens_while_decoding),
                 "max_num_seqs": str(self.config.max_num_seqs), "threads": str(torch.get_num_threads()),
-                "max_num_batched_tokens": str(self.scheduler.max_num_batched_tokens)}
+                "max_num_batched_tokens": str(self.scheduler.max_num_batched_tokens), **self.kv_labels()}
+
+    def kv_labels(self) -> dict[str, str]:
+        """A node with a KV role: the transport it drives transfers over, its side channel's host and
+        the transports it serves (the proxy prices a P -> D pair's transfer by them)."""
+        if self.connector is None:
+            return {}
+        advertised = self.connector.advertised
+        return {"kv_transport": self.config.kv_transfer.transport, "kv_host": str(advertised.get("remote_host", "")),
+                "kv_transports": ",".join(advertised.get("remote_transports", ()))}
 
     def stats(self) -> EngineStats:
         """This step's snapshot (engine thread): what the server's metrics and admission read."""

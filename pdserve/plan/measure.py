@@ -24,7 +24,7 @@ from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import TRANSPORTS, NodeTransports
+from pdserve.kv.transport import NodeTransports, available
 from pdserve.procinfo import rss_mib
 from pdserve.procs import Child, ProcessGroup
 from pdserve.workload import random_prompts
@@ -60,11 +60,11 @@ def serve_blocks(mib: int, repeats: int, host: str) -> None:
     pool = KVPool(pool_shape(total), DTYPE, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(pool.shape).to(DTYPE))
     held = HeldBlocks(timeout_s=3600)
-    for t in TRANSPORTS:
+    for t in available():
         for layout, ids in layouts.items():
             for i in range(repeats):
                 held.hold(f"{t}-{layout}-{i}", ids)
-    transports = NodeTransports([pool])
+    transports = NodeTransports([pool], host)
     sender = KVSender(transports, held, KVStats(), host, 0)
     print(sender.port, pool.shm_name, flush=True)
     sys.stdin.read()  # until the parent closes our stdin
@@ -73,11 +73,12 @@ def serve_blocks(mib: int, repeats: int, host: str) -> None:
     pool.close()
 
 
-def bench_backends(mib: int, repeats: int, names: tuple[str, ...] = tuple(TRANSPORTS),
+def bench_backends(mib: int, repeats: int, names: tuple[str, ...] | None = None,
                    host: str = "127.0.0.1", server_prefix: tuple[str, ...] = ()) -> dict:
     """GB/s of the transports `names` (and memcpy). The P process listens on `host`, started behind
     `server_prefix` (e.g. `ip netns exec NS`: P on another host's network)."""
     pin_to(1)
+    names = available() if names is None else names
     total, layouts = block_layouts(mib)
     proc = subprocess.Popen([*server_prefix, sys.executable, "-m", "pdserve.plan.measure", "--mib", str(mib),
                              "--repeats", str(repeats), "--host", host], stdin=subprocess.PIPE,

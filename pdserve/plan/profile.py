@@ -33,7 +33,7 @@ import torch
 
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv.transport import TRANSPORTS
+from pdserve.kv.transport import TRANSPORTS, available
 from pdserve.plan.corun import pinned, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, one_start
@@ -266,8 +266,9 @@ def measure_transfers(points: ProfilePoints) -> list[dict]:
     affinity = os.sched_getaffinity(0)
     try:
         for mib in points.transfer_mib:
-            res = bench_backends(mib, repeats=3)
-            for transport in TRANSPORTS:
+            names = available()
+            res = bench_backends(mib, repeats=3, names=names)
+            for transport in names:
                 gbps = res[f"{transport}_scattered_gbps"]
                 samples.append({"transport": transport, "bytes": res["bytes"], "seconds": res["bytes"] / gbps / 1e9})
     finally:
@@ -327,7 +328,7 @@ def fitted(meta: dict, samples: dict, startup_s: float) -> Profile:
                              [s["seconds"] for s in prefill], PREFILL_FEATURES)
     decode_fit = fit_linear(decode, [s["seconds"] for s in decode], decode_features([s["seqs"] for s in decode]))
     transfer_fits = {}
-    for transport in TRANSPORTS:
+    for transport in (t for t in TRANSPORTS if any(s["transport"] == t for s in transfers)):  # those measured
         rows = [s for s in transfers if s["transport"] == transport]
         transfer_fits[transport] = fit_linear(rows, [s["seconds"] for s in rows], TRANSFER_FEATURES)
     meta = {**meta, "models": {"prefill_chunk": "a + b * tokens + c * tokens * (context_before + tokens / 2)",

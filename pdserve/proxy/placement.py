@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Callable, ClassVar
 
+from pdserve.kv.hosts import same_host
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode
@@ -66,10 +67,24 @@ class Placement:
         return self.ttft_s + stall_weight * (self.stall_s + self.prefiller_stall_s)
 
 
+def pair_transport(decoder: Node, prefiller: Node) -> str:
+    """The transport D would pull P's KV over, from their engine info: D's --kv-transport, or for
+    auto (kv/transport's choose_transport, which the proxy may not import: tests/test_placement.py
+    checks the two agree) shm where P serves it on D's host, else tcp. A node that reports no KV
+    labels: tcp."""
+    configured = decoder.engine.get("kv_transport", "auto")
+    if configured != "auto":
+        return configured
+    d_host, p_host = decoder.engine.get("kv_host", ""), prefiller.engine.get("kv_host", "")
+    serves_shm = "shm" in prefiller.engine.get("kv_transports", "").split(",")
+    return "shm" if serves_shm and same_host(p_host, d_host) else "tcp"
+
+
+
 class PromptView:
     """One prompt against the nodes now: the blocks each holds, its queue, and each option's price."""
 
-    def __init__(self, token_ids: list[int], costs: CostModel, index: PrefixIndex, transport: str,
+    def __init__(self, token_ids: list[int], costs: CostModel, index: PrefixIndex, transport: str | None,
                  now: float, first_token_given: bool = False) -> None:
         self.token_ids, self.costs, self.index, self.transport = token_ids, costs, index, transport
         self.now = now
@@ -124,7 +139,8 @@ class PromptView:
         n, costs, hit = self.tokens, self.costs, self.cached(p)
         # D computes the last prompt token itself, unless it decodes from P's first token
         last_token = 0.0 if self.first_token_given else costs.prefill_s(n, n - 1) * d.speed.prefill
-        ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), self.transport) + costs.request_hop_s
+        transport = self.transport or pair_transport(d, p)
+        ttft = (self.prefill_ttft(p) + costs.transfer_s(n - self.cached(d), transport) + costs.request_hop_s
                 + self.load_wait(d) + last_token)
         profile_s = costs.prefill_s(n, hit)
         seconds = profile_s * p.speed.prefill
@@ -265,7 +281,7 @@ class Placer:
     or a baseline in the same code path)."""
 
     def __init__(self, costs: CostModel, index: PrefixIndex, rule: str = "cost", stall_weight: float = 1.0,
-                 threshold_tokens: int = 512, transport: str = "shm", slos: dict[str, float] | None = None,
+                 threshold_tokens: int = 512, transport: str | None = None, slos: dict[str, float] | None = None,
                  clock: Callable[[], float] = time.monotonic, policy: str = "round_robin") -> None:
         self.costs, self.index, self.transport = costs, index, transport
         self.stall_weight, self.threshold_tokens = stall_weight, threshold_tokens

@@ -31,7 +31,7 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
 AUTO = "auto"
 
 __all__ = ["AUTO", "TCP_ONLY", "TRANSPORTS", "NodeTransports", "PeerAddress", "PeerPool", "Transport",
-           "check_available", "choose_transport", "transport_class", "uses_shared_pool"]
+           "available", "check_available", "choose_transport", "transport_class", "uses_shared_pool"]
 
 
 class NodeTransports(dict[str, Transport]):
@@ -94,6 +94,11 @@ def transport_class(name: str) -> type[Transport]:
     return TRANSPORTS.get(name)
 
 
+def available() -> tuple[str, ...]:
+    """The registered transports that can run in this process (a transfer engine's library loads)."""
+    return tuple(name for name in TRANSPORTS if not transport_class(name).unavailable())
+
+
 def check_available(configured: str) -> None:
     """ValueError naming `--kv-transport` and what is missing, where the configured transport
     cannot run in this process (its library absent); auto needs none beyond tcp."""
@@ -103,12 +108,13 @@ def check_available(configured: str) -> None:
             raise ValueError(f"--kv-transport {configured}: {reason}")
 
 
-def choose_transport(configured: str, peer: PeerAddress) -> str:
+def choose_transport(configured: str, peer: PeerAddress, here: str | None = None) -> str:
     """The transport to use with a peer: the configured one, or for auto the first that reaches it
-    (tcp, whatever the peer advertises: every node serves it)."""
+    (tcp, whatever the peer advertises: every node serves it). `here`: as a node whose KV host it
+    is would choose (the proxy pricing a pair; None: this process)."""
     if configured != AUTO:
         return configured
-    return next((name for name in TRANSPORTS if transport_class(name).reaches(peer)), TCP_ONLY[0])
+    return next((name for name in TRANSPORTS if transport_class(name).reaches(peer, here)), TCP_ONLY[0])
 
 
 def uses_shared_pool(configured: str) -> bool:

@@ -68,8 +68,9 @@ class Transport(ABC):
         return None
 
     @classmethod
-    def reaches(cls, peer: PeerAddress) -> bool:
-        """Whether this transport can reach that peer (`auto` takes the first registered that can)."""
+    def reaches(cls, peer: PeerAddress, here: str | None = None) -> bool:
+        """Whether this transport can reach that peer from this process, or (`here`) from a node
+        whose KV host is `here` (the proxy pricing a pair). `auto` takes the first registered that can."""
         return cls.name in peer.transports
 
     @classmethod

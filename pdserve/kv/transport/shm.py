@@ -4,26 +4,17 @@ moves nothing and only counts the bytes."""
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 
 import msgspec
 
+from pdserve.kv.hosts import is_loopback, same_host
 from pdserve.kv.pool import KVPool, copy_block_runs
 from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport.base import PeerAddress, PeerPool, Transport
 from pdserve.models.parallel import kv_heads
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def on_this_host(host: str) -> bool:
@@ -56,8 +47,12 @@ class ShmTransport(Transport):
         self._lock = threading.Lock()  # loads run on several threads
 
     @classmethod
-    def reaches(cls, peer: PeerAddress) -> bool:
-        return cls.name in peer.transports and on_this_host(peer.host)
+    def reaches(cls, peer: PeerAddress, here: str | None = None) -> bool:
+        if cls.name not in peer.transports:
+            return False
+        if here is None:
+            return on_this_host(peer.host)
+        return same_host(peer.host, here)
 
     @classmethod
     def serve_error(cls, pools: list[KVPool]) -> str | None:
