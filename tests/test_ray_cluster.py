@@ -21,6 +21,7 @@ import pytest
 from servers import MODEL, NODE, free_port, metric, wait_for_metric
 
 from pdserve.testing.netns import Host, Hosts, RayOnHosts, why_not
+from pdserve.kv.transport import transport_class
 from pdserve.kv.transport.shm import on_this_host
 from pdserve.models.locate import cache_root
 
@@ -157,18 +158,28 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-@pytest.mark.parametrize("mode", ["push", "auto"])
+@pytest.mark.parametrize("mode", ["push", "auto", "pull-mooncake", "push-mooncake"])
 def test_push_and_auto_across_hosts_equal_one_node_and_leave_nothing_behind(ray_hosts, fp32_node, tmp_path, mode):
     """Push: D (on the other host) announces its blocks to the proxy, P writes each layer into them.
-    Auto: the proxy places each request (docs/results/profile.json). After Ctrl-C no actor and no
-    placement group of pdserve's is left in the Ray cluster."""
+    Auto: the proxy places each request (docs/results/profile.json). Pull and push over the Mooncake
+    Transfer Engine (its tcp protocol between the hosts; skipped where it is not installed). After
+    Ctrl-C no actor and no placement group of pdserve's is left in the Ray cluster."""
     hosts, ray_cluster = ray_hosts
+    mode, _, transport = mode.partition("-")
+    if transport and transport_class(transport).unavailable():
+        pytest.skip(f"{transport} transport unavailable: {transport_class(transport).unavailable()}")
     extra = ["--profile", str(PROFILE)] if mode == "auto" else []
+    extra += ["--kv-transport", transport] if transport else []
     with up_on(hosts[0], ray_cluster, tmp_path / "up.log", 8001, "--mode", mode, "--prefill", "1", "--decode", "1",
                "--placement", "spread", *extra) as (url, pid):  # issue 17's spelling of --ray-placement
         listed = nodes(url)
         assert len({re.match(r"http://([\d.]+):", n["url"]).group(1) for n in listed}) == 2  # one host each
         assert [complete(url, p) for p in PROMPTS] == [complete(fp32_node.url, p) for p in PROMPTS]
+        if transport:  # every byte crossed over it, counted on both ends
+            for node in listed:
+                direction = "received" if node["role"] == "decode" else "sent"
+                assert metric(node["url"], "pdserve:kv_transfer_bytes_total",
+                              f'direction="{direction}",transport="{transport}"') > 0, (node, mode)
     left = hosts[0].run([sys.executable, "-c", LEFTOVERS, ray_cluster.address, f"-{pid}"], capture_output=True,
                         text=True, timeout=120, env=ray_cluster.env)
     assert left.stdout.split()[-2:] == ["0", "0"], left.stdout + left.stderr
