@@ -23,17 +23,17 @@ import torch
 from pdserve.benchmarks.report import publish
 from pdserve.kv.transport import available
 from pdserve.plan.measure import bench_backends
-from pdserve.platform import plan_kernels
+from pdserve.platform import CpuInfo, plan_kernels
 
 
 def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
     from pdserve.procs import Child, ProcessGroup, cluster_env
 
     common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
-    nodes = {"p": Child.on_free_port("p", ["serve", "--role", "prefill", *common], 0)}
+    nodes = {"p": Child.on_free_port("p", ["serve", "--role", "prefill", *common], (0,))}
     for transport in available():  # a D node pulling over each (mooncake where its engine is installed)
         nodes[transport] = Child.on_free_port(f"d-{transport}", ["serve", "--role", "decode", "--kv-transport",
-                                                                  transport, *common], 1)
+                                                                  transport, *common], (1,))
     cluster = ProcessGroup(cluster_env())
     out: dict = {}
     try:
@@ -73,7 +73,7 @@ def markdown(res: dict, args) -> str:
     b = res["backends"]
     lines = [
         f"Command: `python -m pdserve.benchmarks.transfer --mib {args.mib} --repeats {args.repeats}` "
-        f"({res['date']}; P and D pinned to different cores).",
+        f"({res['date']}; {res.get('cpu', 'CPU not recorded')}; P and D pinned to different cores).",
         "",
         f"Moving {b['bytes'] / 2**20:.0f} MiB ({b['blocks']} blocks x 30 layers x K/V, bf16) from P to D:",
         "",
@@ -101,7 +101,9 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/transfer.json")
     args = parser.parse_args()
     args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
-    res = {"date": time.strftime("%Y-%m-%d"), "backends": bench_backends(args.mib, args.repeats),
+    cpu = CpuInfo.detect()
+    res = {"date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu.model}, {cpu.isa}",
+           "backends": bench_backends(args.mib, args.repeats),
            "ttft": bench_ttft(args.prompt_lens, max(args.repeats // 2, 2), args.dtype)}
     publish(res, args.out, "transfer", "KV transfer: backends and share of TTFT", markdown(res, args))
 
