@@ -147,7 +147,7 @@ def test_auto_takes_shared_memory_on_this_host_and_tcp_elsewhere():
     assert choose_transport("auto", PeerAddress("127.0.0.1", ("tcp",))) == "tcp"  # the peer has no shared pool
     assert choose_transport("auto", PeerAddress("127.0.0.1")) == "tcp"  # params that name no transport
     assert choose_transport("tcp", PeerAddress("127.0.0.1", both)) == "tcp"
-    with pytest.raises(ValueError, match="KV transport must be one of shm, tcp, mooncake, got 'rdma'"):
+    with pytest.raises(ValueError, match="KV transport must be one of shm, tcp, mooncake, nixl, got 'rdma'"):
         transport_class("rdma")
 
 

@@ -27,6 +27,7 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
     "shm": "pdserve.kv.transport.shm:ShmTransport",
     "tcp": "pdserve.kv.transport.tcp:TcpTransport",
     "mooncake": "pdserve.kv.transport.mooncake:MooncakeTransport",
+    "nixl": "pdserve.kv.transport.nixl:NixlTransport",
 })
 AUTO = "auto"
 

@@ -1,0 +1,80 @@
+"""nixl: NVIDIA's NIXL (vLLM's NixlConnector, SGLang's NIXL backend) as a one-sided transport
+(onesided.py), on its UCX backend, which runs on a CPU-only machine. Each node's agent (a unique name)
+registers its pools as DRAM; its endpoint is the agent's metadata, which the active side loads once
+per peer (`add_remote_agent`) before it reads or writes by descriptor lists; completion is NIXL's
+transfer state, polled.
+
+Needs `pip install 'pdserve[nixl]'`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from pdserve.kv.protocol import ProtocolError
+from pdserve.kv.transport.onesided import OneSidedTransport
+
+TIMEOUT_S = 60.0  # a transfer not done by then failed (the side channel's own timeout is the caller's)
+
+
+class NixlTransport(OneSidedTransport):
+    name = "nixl"
+    package = "nixl"
+    install = "pip install 'pdserve[nixl]'"
+
+    @classmethod
+    def load(cls):
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ImportError(f"the nixl transport needs NIXL ({cls.install}): {exc}") from exc
+        return nixl_agent, nixl_agent_config
+
+    def _start(self) -> None:
+        agent, config = self.load()
+        self.agent = agent(f"pdserve-{uuid.uuid4().hex[:12]}", config(backends=["UCX"]))
+        self._registered: dict[int, object] = {}
+        self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent's name, once loaded
+        self._lock = threading.Lock()  # loads and pushes run on several threads
+
+    def _register(self, base: int, nbytes: int) -> None:
+        descs = self.agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+        if not descs:
+            raise RuntimeError("NIXL could not register the KV pool")
+        self._registered[base] = descs
+
+    def _unregister(self, base: int) -> None:
+        descs = self._registered.pop(base, None)
+        if descs is not None:
+            self.agent.deregister_memory(descs)
+
+    def _endpoint(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def _peer(self, metadata: bytes) -> str:
+        with self._lock:
+            name = self._peers.get(metadata)
+            if name is None:
+                added = self.agent.add_remote_agent(metadata)
+                name = self._peers[metadata] = added.decode() if isinstance(added, bytes) else added
+            return name
+
+    def _batch(self, write: bool, endpoint: bytes, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        peer = self._peer(endpoint)
+        ours = self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(local, lengths)], "DRAM")
+        theirs = self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(remote, lengths)], "DRAM")
+        handle = self.agent.initialize_xfer("WRITE" if write else "READ", ours, theirs, peer, b"")
+        try:
+            state, deadline, polls = self.agent.transfer(handle), time.monotonic() + TIMEOUT_S, 0
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise ProtocolError(f"NIXL transfer with {peer} not done in {TIMEOUT_S:.0f} s")
+                polls += 1
+                time.sleep(0 if polls < 1000 else 1e-4)  # checking drives UCX's progress; later, yield the core
+                state = self.agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise ProtocolError(f"NIXL transfer with {peer} failed")
+        finally:
+            self.agent.release_xfer_handle(handle)
