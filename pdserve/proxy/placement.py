@@ -80,7 +80,6 @@ def pair_transport(decoder: Node, prefiller: Node) -> str:
     return "shm" if serves_shm and same_host(p_host, d_host) else "tcp"
 
 
-
 class PromptView:
     """One prompt against the nodes now: the blocks each holds, its queue, and each option's price."""
 
