@@ -11,9 +11,11 @@ import concurrent.futures
 import os
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
-from servers import Procs, metric, wait_for_metric
+from servers import Procs, metric, pdserve_child, start_pdserve, wait_for_metric, wait_ready
 from test_pd_pull import MODEL, NODE, PROMPTS, client
 
 from pdserve.kv.transport import transport_class
@@ -81,3 +83,37 @@ def test_a_transfer_engine_that_cannot_load_is_an_error_naming_it(tmp_path, comm
     assert run.returncode == 2 and len(errors) == 1, run.stderr
     assert f"--kv-transport {engine}" in errors[0] and "libibverbs.so.1" in errors[0]
     assert "Uvicorn running" not in run.stderr and "started" not in run.stderr
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefill_node_that_cannot_start_the_engine_refuses_the_pull_naming_it(tmp_path, engine):
+    """P advertises an engine whose package is there but does not load (a path entry shadows it);
+    D asks to pull over it: P refuses at the handshake, naming the engine and why, and D (its
+    failure policy `fail`) answers a clean 502 saying so, at once, never a hang; no block stays
+    used on D."""
+    if transport_class(engine).unavailable():
+        pytest.skip(f"{engine} transport unavailable: {transport_class(engine).unavailable()}")
+    shadow = tmp_path / "shadow" / engine
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('libucp.so.0: cannot open shared object file')\n")
+    p = pdserve_child(["serve", "--role", "prefill", *NODE], tmp_path, "p")
+    p.start({**os.environ, "PYTHONPATH": str(tmp_path / "shadow")})
+    wait_ready(p)
+    d = start_pdserve(["serve", "--role", "decode", "--kv-transport", engine, "--kv-load-failure-policy", "fail",
+                       *NODE], tmp_path, "d")
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        r = httpx.post(p.url + "/v1/completions", json={**body, "max_tokens": 1,
+                                                         "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
+        params = r.json()["kv_transfer_params"]
+        assert engine in params["remote_transports"]  # the package is there: P advertises it
+        start = time.monotonic()
+        r = httpx.post(d.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+        assert r.status_code == 502 and time.monotonic() - start < 30, r.text
+        message = r.json()["error"]["message"]
+        assert f"KV transport '{engine}' cannot start on this node" in message and "libucp.so.0" in message
+        assert metric(d.url, "pdserve:kv_transfers_failed_total") == 1
+        assert wait_for_metric(d.url, "pdserve:kv_blocks_used", 0) == 0
+    finally:
+        d.stop()
+        p.stop()

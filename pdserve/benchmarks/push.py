@@ -1,6 +1,6 @@
 """TTFT under colocated, pull and push, and how much of pull's transfer time push hides.
 
-    python -m pdserve.benchmarks.push [--lens 512 2048 4096] [--repeats 5]
+    python -m pdserve.benchmarks.push [--lens 512 2048 4096] [--repeats 5] [--kv-transport auto|tcp|...]
 
 Starts a colocated node, a prefill node (core 0), a decode node (core 1) and two proxies (pull,
 push); for each prompt length sends fresh random prompts (no prefix-cache hits), the three setups
@@ -22,6 +22,7 @@ import httpx
 import torch
 
 from pdserve.benchmarks.report import publish
+from pdserve.kv.transport import AUTO, TRANSPORTS, check_available
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, cluster_env
 
@@ -48,10 +49,11 @@ def streamed_ttft(client: httpx.Client, url: str, prompt: list[int]) -> float:
     return ttft
 
 
-def run(lens: list[int], repeats: int, dtype: str) -> dict:
+def run(lens: list[int], repeats: int, dtype: str, transport: str = "auto") -> dict:
     common = ["--dtype", dtype, "--threads", "1", "--log-level", "warning"]
+    kv = ["--kv-transport", transport]  # P drives a push over it, D a pull
 
-    both, p, d = (Child.on_free_port(name, ["serve", "--role", role, *common], core)
+    both, p, d = (Child.on_free_port(name, ["serve", "--role", role, *common, *(kv if role != "both" else [])], (core,))
                   for name, role, core in (("both", "both", 1), ("p", "prefill", 0), ("d", "decode", 1)))
     proxies = {mode: Child.on_free_port(f"proxy-{mode}", ["proxy", "--mode", mode, "--log-level", "warning",
                                                           "--prefill", p.url, "--decode", d.url])
@@ -94,7 +96,8 @@ def run(lens: list[int], repeats: int, dtype: str) -> dict:
 
 def markdown(res: dict, args) -> str:
     lines = [
-        f"Command: `python -m pdserve.benchmarks.push --lens {' '.join(map(str, args.lens))} --repeats {args.repeats}` "
+        f"Command: `python -m pdserve.benchmarks.push --lens {' '.join(map(str, args.lens))} --repeats {args.repeats}"
+        f"{'' if args.kv_transport == 'auto' else ' --kv-transport ' + args.kv_transport}` "
         f"({time.strftime('%Y-%m-%d')}, {args.dtype}; P on core 0, D and the colocated node on core 1; medians).",
         "",
         "| prompt tokens | TTFT colocated (ms) | TTFT pull (ms) | TTFT push (ms) | pull transfer (ms) | "
@@ -123,11 +126,16 @@ def main() -> None:
     parser.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
-    parser.add_argument("--out", default="docs/results/push.json")
+    parser.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS],
+                        help="what P pushes and D pulls over (another than auto: its own JSON and section)")
+    parser.add_argument("--out", default=None, help="default docs/results/push.json (push_<transport>.json)")
     args = parser.parse_args()
     args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
-    res = run(args.lens, args.repeats, args.dtype)
-    publish(res, args.out, "push", "Layer-wise push vs pull vs colocated: TTFT", markdown(res, args))
+    check_available(args.kv_transport)
+    suffix = "" if args.kv_transport == AUTO else f"_{args.kv_transport}"
+    res = run(args.lens, args.repeats, args.dtype, args.kv_transport)
+    title = "Layer-wise push vs pull vs colocated: TTFT" + (f" over {args.kv_transport}" if suffix else "")
+    publish(res, args.out or f"docs/results/push{suffix}.json", f"push{suffix}", title, markdown(res, args))
 
 
 if __name__ == "__main__":

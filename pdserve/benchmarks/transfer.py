@@ -1,6 +1,7 @@
 """KV transfer benchmark: each backend's GB/s against memcpy, and the transfer's share of TTFT.
 
     python -m pdserve.benchmarks.transfer [--mib 64] [--repeats 5] [--prompt-lens 512 2048]
+                                          [--sweep-tokens 16 128 1024 4096]
 
 Part 1 moves a SmolLM2-shaped set of blocks between two processes with the real connector code,
 over every transport that runs here (tcp, shared memory, the Mooncake Transfer Engine where it is
@@ -22,7 +23,7 @@ import torch
 
 from pdserve.benchmarks.report import publish
 from pdserve.kv.transport import available
-from pdserve.plan.measure import bench_backends
+from pdserve.plan.measure import BLOCK, bench_backends
 from pdserve.platform import CpuInfo, plan_kernels
 
 
@@ -69,6 +70,16 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
     return out
 
 
+def sweep(tokens: list[int], repeats: int) -> dict:
+    """Per request size (its prompt tokens, whole blocks of 16): ms per request and GB/s of each
+    transport, contiguous and scattered blocks."""
+    out = {}
+    for n in tokens:
+        res = bench_backends(0, repeats, blocks=max(1, n // BLOCK))
+        out[str(n)] = {"bytes": res["bytes"], **{k: v for k, v in res.items() if k.endswith("_gbps")}}
+    return out
+
+
 def markdown(res: dict, args) -> str:
     b = res["backends"]
     lines = [
@@ -82,6 +93,15 @@ def markdown(res: dict, args) -> str:
     ]
     for name in ("memcpy", *available()):
         lines.append(f"| {name} | {b[f'{name}_contiguous_gbps']:.2f} | {b[f'{name}_scattered_gbps']:.2f} |")
+    if res.get("sweep"):
+        names = ("memcpy", *available())
+        lines += ["", "Time per request by its size (prompt tokens, whole 16-token blocks), ms, contiguous / "
+                  "scattered blocks (GB/s in docs/results/transfer.json):", "",
+                  "| tokens | MiB | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for tokens, row in res["sweep"].items():
+            ms = [f"{row['bytes'] / row[f'{n}_contiguous_gbps'] / 1e6:.2f} / "
+                  f"{row['bytes'] / row[f'{n}_scattered_gbps'] / 1e6:.2f}" for n in names]
+            lines.append(f"| {tokens} | {row['bytes'] / 2**20:.2f} | " + " | ".join(ms) + " |")
     lines += ["", "Transfer time inside TTFT (real P and D nodes, median of the runs):", "",
               "| prompt tokens | transport | TTFT (ms) | P prefill request (ms) | KV transfer (ms) | transfer share |",
               "|---|---|---|---|---|---|"]
@@ -97,13 +117,15 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[16, 128, 1024, 4096],
+                        help="request sizes (prompt tokens) to time each transport at (none: skip)")
     parser.add_argument("--dtype", default="auto", help="auto: what this CPU runs fastest (see pdserve.platform)")
     parser.add_argument("--out", default="docs/results/transfer.json")
     args = parser.parse_args()
     args.dtype = plan_kernels(args.dtype).dtype  # named in the report, passed to every node
     cpu = CpuInfo.detect()
     res = {"date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu.model}, {cpu.isa}",
-           "backends": bench_backends(args.mib, args.repeats),
+           "backends": bench_backends(args.mib, args.repeats), "sweep": sweep(args.sweep_tokens, args.repeats),
            "ttft": bench_ttft(args.prompt_lens, max(args.repeats // 2, 2), args.dtype)}
     publish(res, args.out, "transfer", "KV transfer: backends and share of TTFT", markdown(res, args))
 

@@ -43,20 +43,26 @@ def pin_to(core: int) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def block_layouts(mib: int) -> tuple[int, dict[str, list[int]]]:
-    """(pool blocks, {layout: P's block ids}) for moving `mib` MiB; the same in both processes."""
-    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 2
-    n = mib * 2**20 // (LAYERS * 2 * block_bytes)
+BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # one block, every layer's K and V
+
+
+def blocks_for(mib: float) -> int:
+    """Whole blocks in `mib` MiB (at least one)."""
+    return max(1, int(mib * 2**20) // BLOCK_BYTES)
+
+
+def block_layouts(n: int) -> tuple[int, dict[str, list[int]]]:
+    """(pool blocks, {layout: P's block ids}) for moving n blocks; the same in both processes."""
     return 4 * n, {"contiguous": list(range(n)), "scattered": random.Random(0).sample(range(4 * n), n)}
 
 
-def serve_blocks(mib: int, repeats: int, host: str) -> None:
+def serve_blocks(blocks: int, repeats: int, host: str) -> None:
     """The P process: a shared pool with random contents, holding every request until pulled.
 
     A separate interpreter (not multiprocessing), so it has its own shared-memory tracker as a
     real prefill node would."""
     pin_to(0)
-    total, layouts = block_layouts(mib)
+    total, layouts = block_layouts(blocks)
     pool = KVPool(pool_shape(total), DTYPE, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(pool.shape).to(DTYPE))
     held = HeldBlocks(timeout_s=3600)
@@ -73,14 +79,16 @@ def serve_blocks(mib: int, repeats: int, host: str) -> None:
     pool.close()
 
 
-def bench_backends(mib: int, repeats: int, names: tuple[str, ...] | None = None,
-                   host: str = "127.0.0.1", server_prefix: tuple[str, ...] = ()) -> dict:
-    """GB/s of the transports `names` (and memcpy). The P process listens on `host`, started behind
+def bench_backends(mib: float, repeats: int, names: tuple[str, ...] | None = None,
+                   host: str = "127.0.0.1", server_prefix: tuple[str, ...] = (), blocks: int | None = None) -> dict:
+    """GB/s of the transports `names` (default: every one that runs here) and memcpy, moving `mib`
+    MiB in whole blocks (or `blocks` blocks). The P process listens on `host`, started behind
     `server_prefix` (e.g. `ip netns exec NS`: P on another host's network)."""
     pin_to(1)
     names = available() if names is None else names
-    total, layouts = block_layouts(mib)
-    proc = subprocess.Popen([*server_prefix, sys.executable, "-m", "pdserve.plan.measure", "--mib", str(mib),
+    blocks = blocks or blocks_for(mib)
+    total, layouts = block_layouts(blocks)
+    proc = subprocess.Popen([*server_prefix, sys.executable, "-m", "pdserve.plan.measure", "--blocks", str(blocks),
                              "--repeats", str(repeats), "--host", host], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     port, shm_name = proc.stdout.readline().split()
@@ -163,8 +171,8 @@ def probe(url: str, prompt: list[int]) -> dict:
 
 if __name__ == "__main__":  # the P side of bench_backends
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=int, required=True)
+    parser.add_argument("--blocks", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
-    serve_blocks(args.mib, args.repeats, args.host)
+    serve_blocks(args.blocks, args.repeats, args.host)
