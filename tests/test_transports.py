@@ -74,6 +74,7 @@ def test_read_lands_the_peers_blocks(name, pools, connection):
         served = pool.submit(passive.serve_read, server, WHOLE, SRC, range(SHAPE[0]))
         got = active.read(client, peer(passive), WHOLE, SRC, DST, range(SHAPE[0]))
     active.close()
+    passive.close()
     assert got == served.result() == owner.nbytes(SRC) > 0
     assert torch.equal(reader.tensor[:, :, DST], owner.tensor[:, :, SRC])
     assert only_blocks_written(reader, DST, range(SHAPE[0]))
@@ -89,6 +90,7 @@ def test_write_lands_one_layer_in_the_peers_blocks(name, pools, connection):
         served = pool.submit(passive.serve_write, server, WHOLE, DST, layer)
         got = active.write(client, peer(passive), WHOLE, SRC, DST, layer)
     active.close()
+    passive.close()
     assert got == served.result() == owner.nbytes(SRC, layer) > 0
     assert torch.equal(target.tensor[2][:, DST], owner.tensor[2][:, SRC])
     assert only_blocks_written(target, DST, layer)
@@ -178,3 +180,4 @@ def test_a_transport_reads_only_its_own_handshake(pools, connection):
     good = peer(passive)
     assert active.read(client, good, WHOLE, SRC, DST, range(1)) == owner.nbytes(SRC, range(1))
     active.close()
+    passive.close()

@@ -89,6 +89,7 @@ class NodeTransports(dict[str, Transport]):
     def close(self) -> None:
         for transport in self.values():
             transport.close()
+        self.clear()  # a transfer engine's threads stop with its last reference
 
 
 def transport_class(name: str) -> type[Transport]:

@@ -50,6 +50,12 @@ class NixlTransport(OneSidedTransport):
         if descs is not None:
             self.agent.deregister_memory(descs)
 
+    def close(self) -> None:
+        super().close()
+        # The agent's progress thread spins a core while the agent lives (UCX over tcp needs it on
+        # the passive side): dropping the agent stops it.
+        self.agent = None
+
     def _endpoint(self) -> bytes:
         return self.agent.get_agent_metadata()
 
