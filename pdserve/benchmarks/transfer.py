@@ -4,7 +4,7 @@
                                           [--sweep-tokens 16 128 1024 4096]
 
 Part 1 moves a SmolLM2-shaped set of blocks between two processes with the real connector code,
-over every transport that runs here (tcp, shared memory, the Mooncake Transfer Engine where it is
+over every transport that runs here (tcp, shared memory, Mooncake and NIXL where they are
 installed), contiguous and scattered, against memcpy of the same segments
 (pdserve.plan.measure.bench_backends, which profiles use too). Part 2 starts real P and D nodes
 (one core each) and measures, for 512- and 2048-token prompts, TTFT = P's prefill request + D's time to its first streamed token,
