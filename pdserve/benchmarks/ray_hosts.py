@@ -6,7 +6,8 @@
 1. Start-up: from the Ray cluster being up to a 1P1D cluster healthy (the proxy answering and both
    nodes healthy in its /v1/nodes), `--repeats` times (target: <= 20 s).
 2. KV transfer between the namespaces over tcp, GB/s: the real connector code, P's process in one
-   namespace and D's in the other (plan/measure.py's bench_backends), contiguous and scattered.
+   namespace and D's in the other (transfer.between_hosts), contiguous and scattered, and the
+   raw link's throughput.
 3. A bench run through 1P1D and 1P2D spread over the two hosts: random prompts (512 in, 64 out),
    all sent at once; throughput, TTFT and TPOT.
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -30,6 +30,7 @@ import httpx
 
 from pdserve.testing.netns import Host, Hosts, RayOnHosts, why_not
 from pdserve.benchmarks.report import publish
+from pdserve.benchmarks.transfer import between_hosts
 from pdserve.bench_serving import run_benchmark
 from pdserve.workload import random_dataset, summarize
 
@@ -67,16 +68,6 @@ def stop(up: subprocess.Popen) -> None:
         up.kill()
 
 
-def transfer(hosts: list[Host], mib: int, repeats: int) -> dict:
-    """D's side in the first namespace, P's in the second: run there, read its JSON back."""
-    done = hosts[0].run([sys.executable, "-m", "pdserve.benchmarks.ray_hosts", "--transfer-from",
-                         hosts[1].ns, hosts[1].address, "--mib", str(mib), "--repeats", str(repeats)],
-                        capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"transfer benchmark failed: {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def bench(url: str, num_prompts: int) -> dict:
     requests = random_dataset(num_prompts, 512, 64, 0.0, seed=7)
     warm = random_dataset(4, 128, 8, 0.0, seed=8)
@@ -94,15 +85,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mib", type=int, default=64)
-    parser.add_argument("--transfer-from", nargs=2, metavar=("NS", "ADDRESS"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default="docs/results/ray_hosts.json")
     args = parser.parse_args()
-    if args.transfer_from:  # inside the first namespace: P's side runs in the other one
-        from pdserve.plan.measure import bench_backends
-
-        ns, address = args.transfer_from
-        print(json.dumps(bench_backends(args.mib, args.repeats, ("tcp",), address, ("ip", "netns", "exec", ns))))
-        return
     reason = why_not()
     if reason:
         sys.exit(f"ray_hosts: {reason}")
@@ -118,7 +102,7 @@ def main() -> None:
             finally:
                 stop(up)
         res["startup_s"] = startups
-        res["transfer"] = transfer(hosts, args.mib, args.repeats)
+        res["transfer"] = between_hosts(hosts, args.mib, args.repeats, [], ("tcp",))["backends"]
         for prefill, decode in ((1, 1), (1, 2)):
             up = start_up(head, ray_cluster, prefill, decode, log)
             try:
@@ -134,7 +118,8 @@ def main() -> None:
              f"- 1P1D healthy after the Ray cluster is up: median {statistics.median(startups):.1f} s "
              f"(runs: {', '.join(f'{s:.1f}' for s in startups)}; target <= 20 s).",
              f"- KV transfer between the namespaces, tcp ({t['bytes'] / 2**20:.0f} MiB, best of {args.repeats}): "
-             f"contiguous {t['tcp_contiguous_gbps']:.2f} GB/s, scattered {t['tcp_scattered_gbps']:.2f} GB/s.",
+             f"contiguous {t['tcp_contiguous_gbps']:.2f} GB/s, scattered {t['tcp_scattered_gbps']:.2f} GB/s "
+             f"(the raw link: {t['link_gbps']:.2f} GB/s; every transport: `transfer --hosts`).",
              "", f"Bench: {args.num_prompts} random prompts, 512 tokens in, 64 out, all sent at once.", "",
              "| setup | completed | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | p99 TPOT ms |",
              "|---|---|---|---|---|---|---|---|"]

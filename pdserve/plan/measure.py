@@ -80,10 +80,12 @@ def serve_blocks(blocks: int, repeats: int, host: str) -> None:
 
 
 def bench_backends(mib: float, repeats: int, names: tuple[str, ...] | None = None,
-                   host: str = "127.0.0.1", server_prefix: tuple[str, ...] = (), blocks: int | None = None) -> dict:
+                   host: str = "127.0.0.1", server_prefix: tuple[str, ...] = (), blocks: int | None = None,
+                   here: str = "127.0.0.1") -> dict:
     """GB/s of the transports `names` (default: every one that runs here) and memcpy, moving `mib`
     MiB in whole blocks (or `blocks` blocks). The P process listens on `host`, started behind
-    `server_prefix` (e.g. `ip netns exec NS`: P on another host's network)."""
+    `server_prefix` (e.g. `ip netns exec NS`: P on another host's network); D's own KV host is
+    `here` (where its transfer engine listens)."""
     pin_to(1)
     names = available() if names is None else names
     blocks = blocks or blocks_for(mib)
@@ -93,7 +95,7 @@ def bench_backends(mib: float, repeats: int, names: tuple[str, ...] | None = Non
                             stdout=subprocess.PIPE, text=True)
     port, shm_name = proc.stdout.readline().split()
     local = KVPool(pool_shape(total), DTYPE, "cpu")
-    transports, inbox = NodeTransports([local]), TransferInbox()
+    transports, inbox = NodeTransports([local], here), TransferInbox()
     receiver = KVReceiver(transports, KVStats(), inbox, "auto", timeout_s=60)
     n = len(layouts["contiguous"])
     nbytes = n * LAYERS * 2 * local.block_bytes

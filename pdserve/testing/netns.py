@@ -268,6 +268,12 @@ def kill_all(host: Host, grace_s: float = 5.0) -> None:
             time.sleep(0.1)
 
 
+# The namespaces share this machine's memory: NIXL's UCX would reach the other "host" through shared
+# memory (faster than the link), which separate hosts cannot. Processes standing in for another host's
+# run with this, so bytes between the hosts cross the network as they would there.
+NETWORK_ONLY = {"UCX_TLS": "tcp"}
+
+
 class RayOnHosts:
     """A Ray cluster over the hosts: the head on the first, a worker on each other, `cpus` logical
     CPUs each. A context manager; on exit every Ray process in the namespaces is stopped.
@@ -285,7 +291,7 @@ class RayOnHosts:
         self.home = tempfile.mkdtemp(prefix="pdr", dir="/tmp")
         # pdserve's cache (converted models, built kernels) stays where it is.
         self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "HOME": self.home,
-                    "RAY_TMPDIR": self.home, "PDSERVE_CACHE_DIR": str(cache_root())}
+                    "RAY_TMPDIR": self.home, "PDSERVE_CACHE_DIR": str(cache_root()), **NETWORK_ONLY}
 
     @property
     def address(self) -> str:

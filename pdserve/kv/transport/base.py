@@ -98,14 +98,16 @@ class Transport(ABC):
         """Copy our blocks `local_ids` into the peer's `remote_ids` (push)."""
 
     # -- passive side ---------------------------------------------------------------------------
+    # By default the peer moves the bytes itself (shm, the one-sided transfer engines): this side
+    # only counts them. A two-sided transport (tcp) sends or receives them here.
 
-    @abstractmethod
     def serve_read(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
         """The peer is reading our blocks `local_ids` in this order."""
+        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
 
-    @abstractmethod
     def serve_write(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
         """The peer is writing into our blocks `local_ids`."""
+        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
 
     def close(self) -> None:
         """Drop what the transport mapped or opened."""

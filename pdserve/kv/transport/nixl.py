@@ -9,14 +9,22 @@ Needs `pip install 'pdserve[nixl]'`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.transport.onesided import OneSidedTransport
 
 TIMEOUT_S = 60.0  # a transfer not done by then failed (the side channel's own timeout is the caller's)
+# The agent's progress thread waits this long for UCX events between rounds. NIXL's Python wrapper
+# fixes it at 0, a thread that spins a core for as long as the agent lives (2.97 s of CPU in 3 s
+# idle here, and a third of the throughput on 2 cores: it competes with the transfer's own thread);
+# 1 ms measured 0.09 s idle and 3x the throughput (docs/benchmarks.md, transfer).
+PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "1000"))
+_start_lock = threading.Lock()  # _agent swaps the wrapper's bindings module while it builds an agent
 
 
 class NixlTransport(OneSidedTransport):
@@ -33,11 +41,31 @@ class NixlTransport(OneSidedTransport):
         return nixl_agent, nixl_agent_config
 
     def _start(self) -> None:
-        agent, config = self.load()
-        self.agent = agent(f"pdserve-{uuid.uuid4().hex[:12]}", config(backends=["UCX"]))
+        self.agent = self._agent(f"pdserve-{uuid.uuid4().hex[:12]}")
         self._registered: dict[int, object] = {}
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent's name, once loaded
         self._lock = threading.Lock()  # loads and pushes run on several threads
+
+    @classmethod
+    def _agent(cls, name: str):
+        """An agent on UCX whose progress thread sleeps PROGRESS_DELAY_US between rounds: the wrapper
+        has no setting for it, so the bindings it builds the agent with set it on the way."""
+        agent, config = cls.load()
+        import nixl._api as api
+
+        bindings = api.nixlBind
+
+        def with_delay(agent_name, agent_config):
+            agent_config.pthrDelay = PROGRESS_DELAY_US
+            return bindings.nixlAgent(agent_name, agent_config)
+
+        with _start_lock:
+            api.nixlBind = SimpleNamespace(**{k: getattr(bindings, k) for k in dir(bindings) if not k.startswith("__")})
+            api.nixlBind.nixlAgent = with_delay
+            try:
+                return agent(name, config(backends=["UCX"]))
+            finally:
+                api.nixlBind = bindings
 
     def _register(self, base: int, nbytes: int) -> None:
         descs = self.agent.register_memory([(base, nbytes, 0, "")], "DRAM")
@@ -52,9 +80,7 @@ class NixlTransport(OneSidedTransport):
 
     def close(self) -> None:
         super().close()
-        # The agent's progress thread spins a core while the agent lives (UCX over tcp needs it on
-        # the passive side): dropping the agent stops it.
-        self.agent = None
+        self.agent = None  # its progress thread stops with it
 
     def _endpoint(self) -> bytes:
         return self.agent.get_agent_metadata()

@@ -17,7 +17,7 @@ from abc import abstractmethod
 
 import msgspec
 
-from pdserve.kv.pool import KVPool, common_runs
+from pdserve.kv.pool import KVPool, block_offset, common_runs
 from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport.base import PeerPool, Transport
@@ -51,7 +51,7 @@ class Geometry(msgspec.Struct, frozen=True):
         return self.block_size * self.heads * self.head_bytes
 
     def block(self, layer: int, plane: int, block: int) -> int:
-        return self.base + ((layer * self.planes + plane) * self.blocks + block) * self.block_bytes
+        return self.base + block_offset(layer, plane, block, self.planes, self.blocks, self.block_bytes)
 
 
 class OneSidedTransport(Transport):
@@ -139,12 +139,6 @@ class OneSidedTransport(Transport):
         if lengths:
             self._batch(write, shake.endpoint, local, remote, lengths)
         return sum(lengths)
-
-    def serve_read(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
-        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
-
-    def serve_write(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
-        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
 
     def close(self) -> None:
         for base in self.bases:

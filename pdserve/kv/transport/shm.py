@@ -71,12 +71,6 @@ class ShmTransport(Transport):
         remote = self._map(peer, piece.peer_rank).heads_view(layers, piece.peer_heads)
         return copy_block_runs(self.pools[piece.rank].heads_view(layers, piece.heads), local_ids, remote, remote_ids)
 
-    def serve_read(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
-        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
-
-    def serve_write(self, conn: socket.socket, piece: Piece, local_ids: list[int], layers: range) -> int:
-        return self.pools[piece.rank].nbytes(local_ids, layers, piece.heads)
-
     def _map(self, peer: PeerPool, rank: int) -> KVPool:
         """The peer's rank `rank` pool, mapped once: its ranks hold other shares of the heads than ours."""
         try:
