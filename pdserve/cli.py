@@ -110,6 +110,7 @@ def engine_config_from_args(args: argparse.Namespace):
         hold_timeout_s=getattr(args, "kv_hold_timeout", 60.0),
         wait_timeout_s=getattr(args, "kv_wait_timeout", 30.0),
         load_failure_policy=getattr(args, "kv_load_failure_policy", "recompute"),
+        verify_digest=getattr(args, "kv_verify_digest", "on") == "on",
         secret=getattr(args, "kv_secret", None),
     )
     return EngineConfig(
@@ -523,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="D gives up on a KV transfer after this many seconds")
     serve.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="D on a failed transfer: prefill locally, or answer an error")
+    serve.add_argument("--kv-verify-digest", default="on", choices=["on", "off"],
+                       help="D checks a crc32 of every transfer's bytes against P's (a mismatch fails the load)")
     add_guard_args(serve)
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     serve.add_argument("--kv-secret", default=None,

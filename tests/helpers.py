@@ -100,3 +100,32 @@ def every_transport() -> list:
     return [pytest.param(name, marks=pytest.mark.skipif(bool(transport_class(name).unavailable()),
                                                         reason=str(transport_class(name).unavailable())))
             for name in TRANSPORTS]
+
+
+def corrupting(transport):
+    """Fault injection for the verified handoff (issue 39), test-only: `transport` (a real one, on a
+    node's pools) corrupts one bit of the first block of each transfer it drives: a read (pull)
+    lands it flipped; a write (push) sends it flipped (our copy is flipped back once the bytes are
+    out, so our own digest is of the right bytes)."""
+    import torch
+
+    def flip(piece, local_ids, layers):
+        pool = transport.pools[piece.rank]
+        pool.tensor[layers.start, 0, local_ids[0], 0].view(torch.int16)[0] ^= 1
+
+    read, write = transport.read, transport.write
+
+    def corrupt_read(conn, peer, piece, remote_ids, local_ids, layers):
+        moved = read(conn, peer, piece, remote_ids, local_ids, layers)
+        flip(piece, local_ids, layers)
+        return moved
+
+    def corrupt_write(conn, peer, piece, local_ids, remote_ids, layers):
+        flip(piece, local_ids, layers)
+        try:
+            return write(conn, peer, piece, local_ids, remote_ids, layers)
+        finally:
+            flip(piece, local_ids, layers)
+
+    transport.read, transport.write = corrupt_read, corrupt_write
+    return transport

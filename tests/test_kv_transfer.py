@@ -10,12 +10,13 @@ import socket
 import pytest
 import torch
 
-from helpers import every_transport
+from helpers import corrupting, every_transport
 
 from pdserve.kv.channel import AuthError, client_handshake
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
+from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
@@ -39,11 +40,14 @@ def prefill_side():
     pool.close()
 
 
-def pull(sender: KVSender, served, transport: str, secret: bytes, src, dst, request_id="req-a"):
+def pull(sender: KVSender, served, transport: str, secret: bytes, src, dst, request_id="req-a", verify=False,
+         corrupt=False, **proof):
     local = KVPool(SHAPE, torch.bfloat16, "cpu")
     transports, stats, inbox = NodeTransports([local]), KVStats(), TransferInbox()
-    receiver = KVReceiver(transports, stats, inbox, transport, timeout_s=10, secret=secret)
-    receiver.start(LoadSpec("d-1", [dst], [src], request_id, "127.0.0.1", sender.port, served))
+    if corrupt:
+        corrupting(transports[transport])
+    receiver = KVReceiver(transports, stats, inbox, transport, timeout_s=10, secret=secret, verify_digests=verify)
+    receiver.start(LoadSpec("d-1", [dst], [src], request_id, "127.0.0.1", sender.port, served, **proof))
     result = inbox.poll(timeout=30)[0]
     receiver.close()
     transports.close()
@@ -106,6 +110,67 @@ def test_only_the_named_requests_blocks_can_be_read(prefill_side, request_id, bl
     result, local, _ = pull(sender, served, "tcp", b"right", blocks, list(range(len(blocks))), request_id)
     assert result.error and message in result.error
     assert local.tensor.abs().sum() == 0
+
+
+PROMPT = list(range(1000, 1064))  # the prompt P held the KV of: 64 tokens, the 4 blocks of 16
+
+
+@pytest.mark.parametrize("proof, message", [
+    ({"num_tokens": 64, "tokens_digest": prompt_digest(list(range(2000, 2064)), 64)}, "of another prompt"),
+    ({"num_tokens": 64, "tokens_digest": prompt_digest([*PROMPT[:63], 5], 64)}, "of another prompt"),
+    ({"num_tokens": 65, "tokens_digest": prompt_digest([*PROMPT, 1], 65)}, "covers 64 prompt tokens, not the 65"),
+    ({"num_tokens": 64, "tokens_digest": prompt_digest(PROMPT, 64), "remote_engine_id": "before-restart"},
+     "prefilled by engine before-restart; this prefill node is engine p-engine"),
+    ({}, "covers 64 prompt tokens, not the 0"),  # a pull that proves nothing
+    (None, None),  # the right prompt (its first 63 tokens: D computes the last one itself)
+])
+def test_a_pull_is_served_only_for_the_prompt_and_engine_the_kv_is_of(proof, message):
+    """Issue 39: P holds a prompt's KV; a D asking for it must name the same prompt (a digest of its
+    first num_tokens tokens) and P's engine (a restarted P is another). Refused pulls move nothing
+    and leave the hold for the D that asks properly."""
+    pool = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)
+    pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
+    held = HeldBlocks(timeout_s=60)
+    held.hold("req-a", [3, 4, 5, 9], PROMPT)
+    transports = NodeTransports([pool])
+    sender = KVSender(transports, held, KVStats(), "127.0.0.1", 0, engine_id="p-engine")
+    try:
+        right = {"num_tokens": 63, "tokens_digest": prompt_digest(PROMPT, 63), "remote_engine_id": "p-engine"}
+        result, local, _ = pull(sender, transports.served(), "tcp", b"", [3, 4, 5, 9], [0, 1, 2, 3],
+                                **(right if proof is None else proof))
+    finally:
+        sender.close()
+        transports.close()
+    if proof is None:
+        assert result.error is None and torch.equal(local.tensor[:, :, :4], pool.tensor[:, :, [3, 4, 5, 9]])
+        assert held.pop_releasable() == [("req-a", False)]
+    else:
+        assert result.error and message in result.error, result.error
+        assert local.tensor.abs().sum() == 0
+        assert held.num_blocks == 4 and held.pop_releasable() == []
+    pool.close()
+
+
+@pytest.mark.parametrize("transport", every_transport())
+def test_a_pull_whose_bytes_went_wrong_fails_when_digests_are_checked(prefill_side, transport):
+    """Issue 39: one bit flipped in flight. D's digest of what landed differs from P's and the load
+    fails (D then recomputes, or answers 5xx); unchecked, the same pull reports success. P frees
+    its hold either way (the bytes were sent)."""
+    _, held, sender, _ = prefill_side
+    for verify in (True, False):
+        held.hold("req-a", [3, 4, 5, 9])
+        result, _, _ = pull(sender, sender.transports.served(), transport, b"right", [3, 4, 5, 9], [20, 7, 8, 0],
+                            verify=verify, corrupt=True)
+        if verify:
+            assert result.error and "KV arrived corrupted: 1 of 1 digests differ" in result.error, result.error
+        else:
+            assert result.error is None
+        assert held.pop_releasable() == [("req-a", False)]
+    # Intact bytes pass the check.
+    held.hold("req-a", [3, 4, 5, 9])
+    result, local, _ = pull(sender, sender.transports.served(), transport, b"right", [3, 4, 5, 9], [20, 7, 8, 0],
+                            verify=True)
+    assert result.error is None and torch.equal(local.tensor[:, :, [20, 7, 8, 0]], sender.transports.pool.tensor[:, :, [3, 4, 5, 9]])
 
 
 def test_a_pool_whose_creator_died_is_removed_and_a_live_ones_is_kept():

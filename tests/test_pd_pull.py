@@ -204,6 +204,55 @@ def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
         d.stop()
 
 
+ROME, SOUP = "The history of the Roman empire begins", "My favourite recipe for tomato soup"
+
+
+@pytest.mark.parametrize("policy, status", [("recompute", 200), ("fail", 502)])
+def test_d_given_another_prompts_kv_transfer_params_never_answers_from_that_kv(tmp_path, cluster, policy, status):
+    """Issue 39's report, in vLLM's protocol: P prefills prompt A; D is asked for prompt B with A's
+    kv_transfer_params. D used to answer 200 with A's continuation. Now P refuses the pull (the KV
+    is of another prompt): recompute answers B as a colocated node does, fail is a 502 naming why;
+    P's hold stays for the right request, which then loads it."""
+    p = cluster["p"].url
+    fail_d = None if policy == "recompute" else start_pdserve(
+        ["serve", "--role", "decode", "--kv-load-failure-policy", "fail", *NODE], tmp_path, "d_fail")
+    try:
+        check_refused_and_kept(p, cluster["both"].url, [fail_d.url] if fail_d else [cluster["d_tcp"].url,
+                                                                                 cluster["d_shm"].url], status)
+    finally:
+        if fail_d:
+            fail_d.stop()
+
+
+def check_refused_and_kept(p: str, colocated_url: str, ds: list[str], status: int) -> None:
+    def body(prompt: str) -> dict:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+
+    answers = {t: httpx.post(colocated_url + "/v1/completions", json=body(t), timeout=120).json() for t in (ROME, SOUP)}
+    colocated = {t: a["choices"][0]["text"] for t, a in answers.items()}
+    assert colocated[ROME] != colocated[SOUP]
+    assert answers[ROME]["usage"]["prompt_tokens"] == answers[SOUP]["usage"]["prompt_tokens"]  # as in the report
+    for d in ds:
+        for asked, prefilled in ((SOUP, ROME), (ROME, SOUP)):
+            params = httpx.post(p + "/v1/completions", timeout=120, json={
+                **body(prefilled), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()[
+                "kv_transfer_params"]
+            failed = metric(d, "pdserve:kv_transfers_failed_total")
+            r = httpx.post(d + "/v1/completions", json={**body(asked), "kv_transfer_params": params}, timeout=120)
+            assert r.status_code == status, r.text
+            if status == 200:
+                assert r.json()["choices"][0]["text"] == colocated[asked]
+            else:
+                assert "another prompt" in r.json()["error"]["message"], r.text
+            assert metric(d, "pdserve:kv_transfers_failed_total") == failed + 1
+            # The hold was kept for the request it belongs to: that one loads it and answers right.
+            r = httpx.post(d + "/v1/completions", json={**body(prefilled), "kv_transfer_params": params}, timeout=120)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == colocated[prefilled]
+            assert metric(d, "pdserve:kv_transfers_failed_total") == failed + 1
+        assert wait_for_metric(d, "pdserve:kv_blocks_used", 0) == 0
+    assert wait_for_metric(p, "pdserve:kv_blocks_used", 0) == 0
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL])
 def test_pdserve_up_serves_openai_client_and_leaves_no_orphans(tmp_path, stop_signal):
     up = up_child(["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.15"], log_path=str(tmp_path / "up.log"))

@@ -1,6 +1,7 @@
 """KV transfer between nodes of different TP sizes, on real sockets and real shared memory: a pull
 (KVSender / KVReceiver) and a push (PushSender / PushReceiver) move every D rank's heads from the P
-ranks that hold them (kv/tp_plan.py), over every transport, and write nothing else."""
+ranks that hold them (kv/tp_plan.py), over every transport, and write nothing else; D's digests of
+what landed equal P's of what it sent."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def pull(p_pools: list[KVPool], d_pools: list[KVPool], held: HeldBlocks, transpo
     p_transports, d_transports = NodeTransports(p_pools), NodeTransports(d_pools)
     sender = KVSender(p_transports, held, p_stats, "127.0.0.1", 0)
     inbox = TransferInbox()
-    receiver = KVReceiver(d_transports, d_stats, inbox, transport, timeout_s=10)
+    receiver = KVReceiver(d_transports, d_stats, inbox, transport, timeout_s=10, verify_digests=True)
     try:
         receiver.start(LoadSpec("d-1", [DST], [SRC], "p-1", "127.0.0.1", sender.port, p_transports.served()))
         [result] = inbox.poll(timeout=30)
@@ -103,10 +104,10 @@ def test_a_layerwise_push_fills_every_decode_rank(model, transport, num_kv_heads
     p_pools, d_pools = rank_pools(model, num_kv_heads, tp_p), rank_pools(None, num_kv_heads, tp_d)
     p_transports, d_transports = NodeTransports(p_pools), NodeTransports(d_pools)
     p_stats, d_stats, inbox = KVStats(), KVStats(), TransferInbox()
-    receiver = PushReceiver(d_transports, d_stats, inbox, "127.0.0.1", 0)
+    receiver = PushReceiver(d_transports, d_stats, inbox, "127.0.0.1", 0, verify_digests=True)
     sender = PushSender(p_transports, p_stats, transport, timeout_s=10)
     try:
-        receiver.expect("d-1", DST, timeout_s=30)
+        receiver.expect("d-1", [DST], timeout_s=30)
         target = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, d_transports.served())
         push_in_chunks(sender, "p-1", target, [(SRC[:2], DST[:2]), (SRC[2:], DST[2:])], LAYERS)  # two chunks
         [result] = inbox.poll(timeout=30)

@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import every_transport, push_in_chunks
+from helpers import corrupting, every_transport, push_in_chunks
 
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
+from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
@@ -104,7 +105,7 @@ def test_push_session_arrives_intact_and_both_ends_count_it(name, pools):
     receiver = PushReceiver(d_transports, d_stats, inbox, "127.0.0.1", 0)
     sender = PushSender(p_transports, p_stats, name, timeout_s=10)
     try:
-        receiver.expect("d-1", DST, timeout_s=30)
+        receiver.expect("d-1", [DST], timeout_s=30)
         push = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, d_transports.served())
         # Two steps (chunks), as a chunked prefill pushes them: the first three blocks, then the rest.
         # The last step's sampled token ends the session: D decodes from it.
@@ -139,6 +140,59 @@ def test_a_push_the_decode_node_does_not_expect_is_refused(name, pools):
         p_transports.close()
         d_transports.close()
     assert request_id == "p-1" and "not waiting for a push of request 'nobody'" in error
+    assert target.tensor.abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_push_is_checked_by_its_digests_and_one_gone_wrong_fails(name, pools, corrupt):
+    """Issue 39: D asks for the pushed blocks' digests; P sends them with PushDone (its blocks of
+    every chunk, the partial block pushed twice counted once). Intact, the push arrives; one bit
+    sent flipped (test-only), the push fails naming the corruption."""
+    owner, target = pools
+    p_transports, d_transports = NodeTransports([owner]), NodeTransports([target])
+    if corrupt:
+        corrupting(p_transports[name])
+    inbox = TransferInbox()
+    receiver = PushReceiver(d_transports, KVStats(), inbox, "127.0.0.1", 0, verify_digests=True)
+    sender = PushSender(p_transports, KVStats(), name, timeout_s=10)
+    try:
+        receiver.expect("d-1", [DST], timeout_s=30)
+        push = PushTarget("d-1", [DST], 0, "127.0.0.1", receiver.port, d_transports.served())
+        push_in_chunks(sender, "p-1", push, [(SRC[:3], DST[:3]), (SRC[2:], DST[2:])], SHAPE[0], first_token=7)
+        [result] = inbox.poll(timeout=30)
+    finally:
+        receiver.close()
+        p_transports.close()
+        d_transports.close()
+    if corrupt:
+        assert result.error and "KV arrived corrupted" in result.error, result.error
+    else:
+        assert result.error is None and torch.equal(target.tensor[:, :, DST], owner.tensor[:, :, SRC])
+
+
+def test_a_push_of_another_prompt_is_refused_before_any_layer_lands(pools):
+    """Issue 39: D expects the KV of its own prompt's first tokens; a push that names another
+    prompt (or another token count) is refused at the session's start and writes nothing."""
+    owner, target = pools
+    p_transports, d_transports = NodeTransports([owner]), NodeTransports([target])
+    receiver = PushReceiver(d_transports, KVStats(), TransferInbox(), "127.0.0.1", 0)
+    sender = PushSender(p_transports, KVStats(), "tcp", timeout_s=10)
+    ours, theirs = list(range(100, 180)), list(range(200, 280))
+    try:
+        for i, (tokens, count) in enumerate(((theirs, 80), (ours, 79))):
+            receiver.expect(f"d-{i}", [DST], timeout_s=30, num_tokens=80, tokens_digest=prompt_digest(ours, 80))
+            push = PushTarget(f"d-{i}", [DST], 0, "127.0.0.1", receiver.port, d_transports.served(), count,
+                              prompt_digest(tokens, count))
+            sender.begin_step([SaveSpec(f"p-{i}", push, [SRC], [DST], last=True)])
+            sender.save_kv_layer(0)
+            sender.wait_for_save({})
+            [(request_id, error)] = sender.failed_requests()
+            assert request_id == f"p-{i}" and "another prompt" in error, error
+    finally:
+        receiver.close()
+        p_transports.close()
+        d_transports.close()
     assert target.tensor.abs().sum() == 0
 
 

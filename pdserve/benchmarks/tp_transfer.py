@@ -75,7 +75,7 @@ def time_push(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
     seconds = []
     try:
         for i in range(repeats + 1):
-            receiver.expect(f"d-{i}", join_tables(blocks), timeout_s=60)
+            receiver.expect(f"d-{i}", blocks, timeout_s=60)
             target = PushTarget(f"d-{i}", blocks, 0, "127.0.0.1", receiver.port, d.served())
             start = time.perf_counter()
             sender.begin_step([SaveSpec(f"p-{i}", target, blocks, blocks, last=True, num_tokens=num_tokens)])

@@ -153,7 +153,7 @@ class LLMEngine:
             return None, None
         held = HeldBlocks(kv.hold_timeout_s)
         connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id, self.kv_spec.group_windows)
-        worker = KVConnectorWorker(kv, held, self.kv_stats)
+        worker = KVConnectorWorker(kv, held, self.kv_stats, self.engine_id)
         connector.advertised = worker.register_kv_caches(self.pools)
         return connector, worker
 

@@ -35,6 +35,7 @@ from pdserve.kv.params import (
     wants_remote_prefill,
 )
 from pdserve.kv.pool import KVPool
+from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
@@ -53,6 +54,7 @@ class ConnectorRequest(Protocol):
     request_id: str
     kv_transfer_params: KVTransferParams | None
     num_computed_tokens: int
+    prompt_token_ids: list[int]
     block_tables: list[list[int]]  # one per KV group (models/kv_spec.py)
 
     @property
@@ -83,6 +85,8 @@ class ExpectSpec:
     metaserver: str
     proxy_request_id: str
     send_first_token: bool | None = None  # D decodes from P's first token: P pushes the whole prompt
+    num_tokens: int = 0  # the prompt tokens whose KV the push brings, and their digest (prompt_digest)
+    tokens_digest: int | None = None
 
     def announcement(self, advertised: dict[str, Any]) -> KVTransferParams:
         """What D tells the proxy's meta endpoint: its request, the blocks to push into, and where
@@ -178,9 +182,11 @@ class KVConnectorScheduler:
         params, bs = req.kv_transfer_params, self.block_size
         first = req.num_computed_tokens // bs
         last = -(-(req.num_computed_tokens + num_external_tokens) // bs)
+        num_tokens = req.num_computed_tokens + num_external_tokens
         if params.is_push:
             self._expects.append(ExpectSpec(req.request_id, [t[:last] for t in req.block_tables], first,
-                                            params.metaserver, params.proxy_request_id, params.send_first_token))
+                                            params.metaserver, params.proxy_request_id, params.send_first_token,
+                                            num_tokens, prompt_digest(req.prompt_token_ids, num_tokens)))
             return
         self._pending.append(
             LoadSpec(
@@ -191,8 +197,10 @@ class KVConnectorScheduler:
                 remote_host=params.remote_host,
                 remote_port=params.remote_port,
                 remote_transports=tuple(params.remote_transports or ()),
-                num_tokens=req.num_computed_tokens + num_external_tokens,
+                num_tokens=num_tokens,
                 first_block=first,
+                tokens_digest=prompt_digest(req.prompt_token_ids, num_tokens),
+                remote_engine_id=params.remote_engine_id,
             )
         )
 
@@ -224,14 +232,15 @@ class KVConnectorScheduler:
             if req.num_computed_tokens >= n:
                 continue  # decoding on P: nothing more to push
             progress = self._pushing.get(req.request_id)
+            needed = remote_tokens(params, n)
             if progress is None:
                 target = PushTarget(params.remote_request_id, split_tables(params.remote_block_ids, self.num_groups),
                                     params.remote_first_block, params.remote_host, params.remote_port,
-                                    tuple(params.remote_transports or ()))
+                                    tuple(params.remote_transports or ()), needed,
+                                    prompt_digest(req.prompt_token_ids, needed))
                 progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
             # D needs the KV of tokens [0, needed); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
-            needed = remote_tokens(params, n)
             useful_end = min(end, needed)
             first, last = progress.next_block, -(-useful_end // bs)
             src = [t[first:last] for t in req.block_tables]
@@ -262,17 +271,18 @@ class KVConnectorScheduler:
         if req.finish_reason not in ("stop", "length"):
             return False, None  # aborted: nobody will pull
         blocks = join_tables([t[: -(-req.num_prompt_tokens // self.block_size)] for t in req.block_tables])
-        self.held.hold(req.request_id, blocks)
+        self.held.hold(req.request_id, blocks, req.prompt_token_ids)
         first = req.output_token_ids[0] if req.output_token_ids else None
         return True, KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks, remote_engine_id=self.engine_id,
                                       remote_request_id=req.request_id, first_token_id=first, **self.advertised)
 
 
 class KVConnectorWorker:
-    def __init__(self, config: KVTransferConfig, held: HeldBlocks, stats: KVStats) -> None:
+    def __init__(self, config: KVTransferConfig, held: HeldBlocks, stats: KVStats, engine_id: str | None = None) -> None:
         self.config = config
         self.held = held
         self.stats = stats
+        self.engine_id = engine_id  # P: pulls naming another engine (this P before a restart) are refused
         self.inbox = TransferInbox()  # D: loads and pushes that ended
         self.transports: NodeTransports | None = None
         self.sender: KVSender | None = None
@@ -294,15 +304,16 @@ class KVConnectorWorker:
             self.transports[kv.transport]
         # The side channel peers reach: P's (and kv_both's) serves pulls, D's takes pushes.
         if kv.is_producer:
-            self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret)
+            self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret, self.engine_id)
             channel = self.sender
         if kv.is_consumer:
-            self.receiver = KVReceiver(self.transports, self.stats, self.inbox, kv.transport, kv.wait_timeout_s, secret)
+            self.receiver = KVReceiver(self.transports, self.stats, self.inbox, kv.transport, kv.wait_timeout_s, secret,
+                                       verify_digests=kv.verify_digest)
         if kv.takes_push and kv.is_producer:
             self.pusher = PushSender(self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
         elif kv.takes_push:
             self.push_receiver = PushReceiver(self.transports, self.stats, self.inbox, kv.host, kv.port,
-                                              kv.wait_timeout_s, secret)
+                                              kv.wait_timeout_s, secret, kv.verify_digest)
             channel = self.push_receiver
         return {"remote_host": channel.host, "remote_port": channel.port,
                 "remote_transports": list(self.transports.served()), "tp_size": len(pools)}
@@ -316,8 +327,8 @@ class KVConnectorWorker:
         for spec in meta.releases:
             self.receiver.release(spec)
         for spec in meta.expects:
-            self.push_receiver.expect(spec.request_id, join_tables([t[spec.first_block:] for t in spec.block_ids]),
-                                      self.config.wait_timeout_s)
+            self.push_receiver.expect(spec.request_id, [t[spec.first_block:] for t in spec.block_ids],
+                                      self.config.wait_timeout_s, spec.num_tokens, spec.tokens_digest, spec.first_block)
             self._announcer.submit(self._announce, spec, advertised)
         for rid in meta.push_aborts:
             self.pusher.abort(rid)

@@ -20,6 +20,12 @@ def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def prompt_digest(token_ids: Sequence[int], num_tokens: int) -> int:
+    """Which prompt a transfer's KV is of: a digest of its first `num_tokens` token ids. P and D each
+    compute it from their own request, so KV prefilled for another prompt is refused (issue 39)."""
+    return chain_hash(None, token_ids[:num_tokens])
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, start: list[int] | None = None) -> list[int]:
     """Hashes of the full blocks of token_ids; `start`: hashes already known for its first blocks."""
     hashes = list(start or [])

@@ -21,6 +21,13 @@ next layer.
 passive side refuses one it does not serve, and accepts with that transport's handshake (`PullReply`,
 `Ack`): opaque bytes only the transport reads (shm: the passive side's segment names).
 
+Verified handoff: D's `PullRequest` names the prompt it needs the KV of (a digest of its first
+`num_tokens` token ids) and the engine that prefilled it; P's `PushBegin` names the prompt it
+pushes. The passive side compares them with its own request and refuses another prompt's KV, so a
+decode node handed the wrong `kv_transfer_params` never answers from them. Where D asks for them
+(`--kv-verify-digest`), the transfer ends with a crc32 of the bytes moved of each (piece, KV group),
+which D compares with its own of what landed: bytes corrupted or misplaced fail the load.
+
 Tensor parallelism: each side names its TP size (D in `PullRequest` and its push `Ack`, P in
 `PullReply` and `PushBegin`), and both derive the same read plan from the two sizes
 (kv/tp_plan.py). A transfer moves the plan's pieces in plan order, each a run of KV heads from one
@@ -60,6 +67,12 @@ class PullRequest(msgspec.Struct, tag=True):
     # every group moves every block), and each table's first entry is block first_block of the sequence.
     num_tokens: int = 0
     first_block: int = 0
+    # What D proves it asks for (issue 39): the prompt the KV must be of (prefix_hash.prompt_digest
+    # of D's first num_tokens tokens) and the P engine that prefilled it (P's remote_engine_id: a
+    # restarted P is another engine, whatever request ids it reuses). P refuses a mismatch.
+    tokens_digest: int | None = None
+    engine_id: str | None = None
+    want_digests: bool = False  # D checks the bytes: P's final Ack carries its blocks' digests
 
 
 class PullReply(msgspec.Struct, tag=True):
@@ -81,6 +94,10 @@ class Ack(msgspec.Struct, tag=True):
     pool_num_blocks: int = 0  # D accepting a push: the size of its pools (an shm pusher maps them)
     tp_size: int = 1  # D accepting a push: its TP size
     handshake: bytes = b""  # D accepting a push: what its transport tells P of D's side (Transport.handshake)
+    want_digests: bool = False  # D accepting a push: end it with the digests of what was pushed (PushDone)
+    # P's last Ack of a pull that asked for them: the digest of each (piece, KV group) it served
+    # (NodeTransports.digests), computed while the blocks were still held.
+    digests: list[int] | None = None
 
 
 class PushBegin(msgspec.Struct, tag=True):
@@ -90,6 +107,10 @@ class PushBegin(msgspec.Struct, tag=True):
     transport: str  # a registered transport's name
     layout: KVLayout
     tp_size: int = 1  # P's
+    # The prompt P pushes the KV of: its first num_tokens tokens' digest (prefix_hash.prompt_digest);
+    # D refuses the session unless its request is of the same prompt and needs as many tokens.
+    num_tokens: int = 0
+    tokens_digest: int | None = None
 
 
 class PushLayers(msgspec.Struct, tag=True):
@@ -108,6 +129,7 @@ class PushDone(msgspec.Struct, tag=True):
     ok: bool = True
     error: str | None = None
     first_token_id: int | None = None  # the first output token P sampled (D decodes from it if it asked)
+    digests: list[int] | None = None  # where D asked for them: of every block pushed (NodeTransports.digests)
 
 
 class Challenge(msgspec.Struct, tag=True):

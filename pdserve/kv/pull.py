@@ -25,7 +25,8 @@ from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import join_tables
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import NodeTransports, PeerAddress, PeerPool, Transport, choose_transport
+from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
+                                  choose_transport)
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ class KVSender:
     """P's side channel server."""
 
     def __init__(self, transports: NodeTransports, held: HeldBlocks, stats: KVStats, host: str, port: int,
-                 secret: bytes = b"") -> None:
+                 secret: bytes = b"", engine_id: str | None = None) -> None:
         self.transports, self.held, self.stats = transports, held, stats
+        self.engine_id = engine_id  # this engine's (new at every start): a pull naming another is refused
         self.channel = SideChannelServer(host, port, "kv-sender", (PullRequest, PullDone), self._serve, secret)
         self.host, self.port = host, self.channel.port
 
@@ -44,7 +46,13 @@ class KVSender:
             send_msg(conn, Ack(ok=self.held.release(req.request_id)))
             return
         serving = self.transports.to_serve(req.transport, req.layout, req.tp_size, producer=True)
-        error = serving if isinstance(serving, str) else self.held.pin(req.request_id, join_tables(req.block_ids))
+        if isinstance(serving, str):
+            error = serving
+        elif req.engine_id is not None and self.engine_id is not None and req.engine_id != self.engine_id:
+            error = (f"the KV was prefilled by engine {req.engine_id}; this prefill node is engine "
+                     f"{self.engine_id} (restarted since)")
+        else:
+            error = self.held.pin(req.request_id, join_tables(req.block_ids), req.num_tokens, req.tokens_digest)
         if error:
             send_msg(conn, PullReply(ok=False, error=error))
             return
@@ -60,11 +68,13 @@ class KVSender:
                        for piece in plan for group, slots, skip in runs)
             reply = recv_msg(conn)
             done = isinstance(reply, PullDone) and reply.ok
+            # Of the bytes D now has, while the hold still pins them (D computes its own meanwhile).
+            digests = pools.digests(plan, runs, req.block_ids) if done and req.want_digests else None
         finally:
             self.held.unpin(req.request_id, done)
         if done:
             self.stats.add_sent(sent, time.perf_counter() - start, transport.name)
-            send_msg(conn, Ack())
+            send_msg(conn, Ack(digests=digests))
 
     def close(self) -> None:
         self.channel.close()
@@ -83,15 +93,18 @@ class LoadSpec:
     remote_transports: tuple[str, ...] = ()  # those P serves (none named: tcp)
     num_tokens: int = 0  # the sequence's KV ends here once loaded (0: every group takes every block)
     first_block: int = 0  # each table's first entry is this block of the sequence
+    tokens_digest: int | None = None  # of D's first num_tokens prompt tokens (P checks it: PullRequest)
+    remote_engine_id: str | None = None  # the P engine that prefilled them
 
 
 class KVReceiver:
     """D's loader."""
 
     def __init__(self, transports: NodeTransports, stats: KVStats, inbox: TransferInbox, transport: str,
-                 timeout_s: float, secret: bytes = b"", max_workers: int = 4) -> None:
+                 timeout_s: float, secret: bytes = b"", max_workers: int = 4, verify_digests: bool = False) -> None:
         self.transports, self.stats, self.inbox = transports, stats, inbox
         self.transport = transport  # auto or a registered name
+        self.verify_digests = verify_digests  # compare the blocks' digests with P's (--kv-verify-digest)
         self.secret = secret
         self.timeout_s = timeout_s
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="kv-load")
@@ -117,19 +130,25 @@ class KVReceiver:
         with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
             pools = self.transports
             send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport.name, pools.pool.layout,
-                                       pools.tp_size, spec.num_tokens, spec.first_block))
+                                       pools.tp_size, spec.num_tokens, spec.first_block, spec.tokens_digest,
+                                       spec.remote_engine_id, self.verify_digests))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:
                 raise ProtocolError(getattr(reply, "error", None) or "unexpected reply")
             peer = PeerPool(spec.remote_host, reply.pool_num_blocks, reply.tp_size, reply.handshake)
             runs = pools.pool.group_runs(spec.num_tokens, spec.first_block, len(spec.local_block_ids[0]))
             # Every D rank's share, piece by piece, over this one connection: PullDone means all have it.
+            plan = pools.pieces(reply.tp_size, producer=False)
             nbytes = sum(transport.read(sock, peer, piece, spec.remote_block_ids[group][skip:],
                                         spec.local_block_ids[group][skip:], slots)
-                         for piece in pools.pieces(reply.tp_size, producer=False) for group, slots, skip in runs)
+                         for piece in plan for group, slots, skip in runs)
             send_msg(sock, PullDone(spec.remote_request_id))
-            if not isinstance(recv_msg(sock), Ack):
+            ours = pools.digests(plan, runs, spec.local_block_ids) if self.verify_digests else None
+            ack = recv_msg(sock)
+            if not isinstance(ack, Ack):
                 raise ProtocolError("P did not acknowledge the pull")
+            if ours is not None:
+                check_digests(ours, ack.digests, "prefill node")
             return nbytes
 
     def release(self, spec: LoadSpec) -> None:

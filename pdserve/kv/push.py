@@ -42,7 +42,8 @@ from pdserve.kv.protocol import (
 )
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import NodeTransports, PeerAddress, PeerPool, Transport, choose_transport
+from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
+                                  choose_transport)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class PushTarget:
     host: str
     port: int
     transports: tuple[str, ...] = ()  # those D serves (none named: tcp)
+    num_tokens: int = 0  # the prompt tokens whose KV P pushes, and their digest (D checks: PushBegin)
+    tokens_digest: int | None = None
 
 
 @dataclass
@@ -88,6 +91,8 @@ class _Session:
     error: str | None = None
     nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
+    want_digests: bool = False  # D asked for the pushed blocks' digests at the end
+    src_tables: list[dict[int, None]] = field(default_factory=list)  # P's blocks pushed, per group, in order
 
 
 class PushSender:
@@ -120,6 +125,10 @@ class PushSender:
                 except (OSError, ProtocolError) as exc:
                     self._fail(spec.request_id, session, f"cannot push to {spec.target.host}:{spec.target.port}: {exc}")
             self._step.append((spec, session))
+            if session.want_digests:  # (a chunk's last, partial block comes again with the next chunk)
+                session.src_tables = session.src_tables or [{} for _ in spec.src_block_ids]
+                for table, ids in zip(session.src_tables, spec.src_block_ids):
+                    table.update(dict.fromkeys(ids))
 
     def save_kv_layer(self, layer: int) -> None:
         """The forward pass has just written `layer`: push that layer of every pushing request."""
@@ -143,7 +152,8 @@ class PushSender:
             if spec.last:
                 self._sessions.pop(spec.request_id, None)
                 if session.error is None:
-                    self._end(session, ok=True, first_token_id=sampled.get(spec.request_id))
+                    self._end(session, ok=True, first_token_id=sampled.get(spec.request_id),
+                              digests=self._digests(spec, session) if session.want_digests else None)
                     seconds = time.perf_counter() - session.started
                     self.stats.add_sent(session.nbytes, seconds, session.transport.name)
         self._step = []
@@ -168,7 +178,7 @@ class PushSender:
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
         send_msg(sock, PushBegin(target.request_id, transport.name, self.transports.pool.layout,
-                                 self.transports.tp_size))
+                                 self.transports.tp_size, target.num_tokens, target.tokens_digest))
         reply = recv_msg(sock)
         if not isinstance(reply, Ack) or not reply.ok:
             raise ProtocolError(getattr(reply, "error", None) or "push refused")
@@ -178,6 +188,7 @@ class PushSender:
             raise ProtocolError(str(exc)) from exc
         session.transport = transport
         session.peer = PeerPool(target.host, reply.pool_num_blocks, reply.tp_size, reply.handshake)
+        session.want_digests = reply.want_digests
 
     def _run(self) -> None:
         """The sender thread: runs queued layer pushes (and step barriers) in order."""
@@ -215,10 +226,17 @@ class PushSender:
         except OSError as exc:
             self._fail(spec.request_id, session, str(exc))
 
-    def _end(self, session: _Session, ok: bool, error: str | None = None, first_token_id: int | None = None) -> None:
+    def _digests(self, spec: SaveSpec, session: _Session) -> list[int]:
+        """Of every block this session pushed, as D computes them over the blocks it received."""
+        tables = [list(table) for table in session.src_tables]
+        runs = self.transports.pool.group_runs(spec.num_tokens, session.target.first_block, len(tables[0]))
+        return self.transports.digests(session.pieces, runs, tables)
+
+    def _end(self, session: _Session, ok: bool, error: str | None = None, first_token_id: int | None = None,
+             digests: list[int] | None = None) -> None:
         try:
             if session.sock is not None:
-                send_msg(session.sock, PushDone(ok, error, first_token_id))
+                send_msg(session.sock, PushDone(ok, error, first_token_id, digests))
                 if ok:
                     reply = recv_msg(session.sock)
                     if not isinstance(reply, Ack) or not reply.ok:
@@ -251,18 +269,25 @@ def _peer_cancelled(sock: socket.socket) -> bool:
 
 @dataclass
 class _Expected:
-    block_ids: set[int]
+    tables: list[list[int]]  # D's blocks to push into, a table per KV group, from block first_block
     deadline: float
+    num_tokens: int = 0  # the prompt tokens whose KV the request needs, and their digest (None: unchecked)
+    tokens_digest: int | None = None
+    first_block: int = 0
     active: bool = False  # a session is writing into the blocks
     cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.block_ids = {b for table in self.tables for b in table}
 
 
 class PushReceiver:
     """D's side channel for pushes."""
 
     def __init__(self, transports: NodeTransports, stats: KVStats, inbox: TransferInbox, host: str,
-                 port: int, drain_timeout_s: float = 30.0, secret: bytes = b"") -> None:
+                 port: int, drain_timeout_s: float = 30.0, secret: bytes = b"", verify_digests: bool = False) -> None:
         self.transports, self.stats, self.inbox = transports, stats, inbox
+        self.verify_digests = verify_digests  # ask P for the pushed blocks' digests (--kv-verify-digest)
         self.pool = transports.pool
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
@@ -272,9 +297,13 @@ class PushReceiver:
 
     # -- engine thread --------------------------------------------------------------------------
 
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+    def expect(self, request_id: str, tables: list[list[int]], timeout_s: float, num_tokens: int = 0,
+               tokens_digest: int | None = None, first_block: int = 0) -> None:
+        """Take a push into `tables` (D's blocks from block `first_block` of the sequence, a table
+        per KV group) of the KV of the prompt's first `num_tokens` tokens (`tokens_digest`)."""
         with self._lock:
-            self._expected[request_id] = _Expected(set(block_ids), time.monotonic() + timeout_s)
+            self._expected[request_id] = _Expected(tables, time.monotonic() + timeout_s, num_tokens, tokens_digest,
+                                                   first_block)
 
     def cancel(self, request_id: str, error: str = "cancelled by the decode node") -> None:
         """Stop accepting layers for the request; its result is reported once nothing writes."""
@@ -311,6 +340,10 @@ class PushReceiver:
             exp = self._expected.get(begin.request_id)
             if exp is None or exp.cancelled or exp.active:
                 return f"not waiting for a push of request {begin.request_id!r}"
+            if exp.tokens_digest is not None and (begin.num_tokens, begin.tokens_digest) != (exp.num_tokens,
+                                                                                          exp.tokens_digest):
+                return (f"the push is of another prompt than request {begin.request_id!r}'s (its first "
+                        f"{begin.num_tokens} tokens; the request needs the KV of its first {exp.num_tokens})")
             exp.active = True
         return serving
 
@@ -326,12 +359,14 @@ class PushReceiver:
             # The accept carries our pools' size, our TP size (the plan) and the transport's
             # handshake (shm: our segments, which the pusher maps).
             send_msg(conn, Ack(ok=True, pool_num_blocks=self.pool.num_blocks, tp_size=self.transports.tp_size,
-                               handshake=transport.handshake()))
+                               handshake=transport.handshake(), want_digests=self.verify_digests))
             while True:
                 msg = recv_msg(conn)
                 if isinstance(msg, PushDone):
                     error = None if msg.ok else (msg.error or "push abandoned by the prefill node")
                     first_token = msg.first_token_id
+                    if error is None and self.verify_digests:
+                        check_digests(self._digests(rid, plan), msg.digests, "prefill node")
                     break
                 if not isinstance(msg, PushLayers):
                     raise ProtocolError(f"unexpected {type(msg).__name__} in a push session")
@@ -365,6 +400,13 @@ class PushReceiver:
         else:
             self.stats.add_failed()
             self.inbox.put(TransferResult(rid, error, "push", transport.name))
+
+    def _digests(self, request_id: str, plan: list[Piece]) -> list[int]:
+        """Of every block the request expected, as P computes them over the blocks it pushed."""
+        with self._lock:
+            exp = self._expected[request_id]
+        runs = self.pool.group_runs(exp.num_tokens, exp.first_block, len(exp.tables[0]))
+        return self.transports.digests(plan, runs, exp.tables)
 
     def close(self) -> None:
         self.channel.close()

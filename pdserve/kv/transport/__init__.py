@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.transport.base import TCP_ONLY, PeerAddress, PeerPool, Transport
 from pdserve.registry import Registry
 
@@ -32,7 +33,8 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
 AUTO = "auto"
 
 __all__ = ["AUTO", "TCP_ONLY", "TRANSPORTS", "NodeTransports", "PeerAddress", "PeerPool", "Transport",
-           "available", "check_available", "choose_transport", "transport_class", "uses_shared_pool"]
+           "available", "check_available", "check_digests", "choose_transport", "transport_class",
+           "uses_shared_pool"]
 
 
 class NodeTransports(dict[str, Transport]):
@@ -86,10 +88,25 @@ class NodeTransports(dict[str, Transport]):
         except (ImportError, RuntimeError) as exc:  # a transfer engine that would not start here
             return f"KV transport {name!r} cannot start on this node: {exc}"
 
+    def digests(self, plan: list[Piece], runs: list[tuple[int, range, int]], tables: list[list[int]]) -> list[int]:
+        """A transfer's digests on this end: one per piece of the read plan and KV group run
+        (KVPool.group_runs), over this end's `tables` (one per group) in the order the bytes move."""
+        return [self.pools[piece.rank].digest(tables[group][skip:], slots, piece.heads)
+                for piece in plan for group, slots, skip in runs]
+
     def close(self) -> None:
         for transport in self.values():
             transport.close()
         self.clear()  # a transfer engine's threads stop with its last reference
+
+
+def check_digests(ours: list[int], theirs: list[int] | None, peer: str) -> None:
+    """ProtocolError unless the peer's digests of a transfer equal ours (issue 39's verified handoff)."""
+    if theirs is None:
+        raise ProtocolError(f"the {peer} sent no digest of the KV it moved")
+    differ = sum(a != b for a, b in zip(ours, theirs)) + abs(len(ours) - len(theirs))
+    if differ:
+        raise ProtocolError(f"KV arrived corrupted: {differ} of {len(ours)} digests differ from the {peer}'s")
 
 
 def transport_class(name: str) -> type[Transport]:

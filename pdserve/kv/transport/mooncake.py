@@ -25,6 +25,9 @@ class MooncakeTransport(OneSidedTransport):
 
     @classmethod
     def load(cls):
+        # Its INFO lines (topology, handshakes, every segment removed) would flood a node's log;
+        # set MC_LOG_LEVEL to see them.
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

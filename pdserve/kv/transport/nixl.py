@@ -34,6 +34,7 @@ class NixlTransport(OneSidedTransport):
 
     @classmethod
     def load(cls):
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout; set it to see them
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
