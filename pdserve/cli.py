@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="D on a failed transfer: prefill locally, or answer an error")
     serve.add_argument("--kv-verify-digest", default="on", choices=["on", "off"],
-                       help="D checks a crc32 of every transfer's bytes against P's (a mismatch fails the load)")
+                       help="D checks a digest (xxh3) of every transfer's bytes against P's (a mismatch fails the load)")
     add_guard_args(serve)
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     serve.add_argument("--kv-secret", default=None,

@@ -92,7 +92,7 @@ class KVTransferConfig:
     hold_timeout_s: float = 60.0  # P frees blocks nobody pulled after this
     wait_timeout_s: float = 30.0  # D gives up on a transfer after this
     load_failure_policy: str = "recompute"  # recompute (prefill locally) | fail (return an error)
-    # D compares a crc32 of each transfer's bytes with P's (a corrupt or misplaced block fails the
+    # D compares a digest (xxh3) of each transfer's bytes with P's (a corrupt or misplaced block fails the
     # load); its cost is measured in docs/faults.md. The prompt and engine checks are always on.
     verify_digest: bool = True
     secret: str | None = None  # shared by the cluster's P and D nodes; None = $PDSERVE_KV_SECRET

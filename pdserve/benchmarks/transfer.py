@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import struct
@@ -44,6 +45,9 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
     for transport in available():  # a D node pulling over each (mooncake where its engine is installed)
         nodes[transport] = Child.on_free_port(f"d-{transport}", ["serve", "--role", "decode", "--kv-transport",
                                                                   transport, *common], (1,))
+    # The verified handoff's digests cost (issue 39): tcp again without them.
+    nodes[UNCHECKED] = Child.on_free_port("d-unchecked", ["serve", "--role", "decode", "--kv-transport", "tcp",
+                                                          "--kv-verify-digest", "off", *common], (1,))
     cluster = ProcessGroup(cluster_env())
     out: dict = {}
     try:
@@ -51,7 +55,7 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
         g = torch.Generator().manual_seed(0)
         with httpx.Client(timeout=600) as client:
             for length in prompt_lens:
-                for transport in available():
+                for transport in (*available(), UNCHECKED):
                     rows = []
                     for _ in range(repeats + 1):  # the first run warms up this shape
                         prompt = torch.randint(1000, 40000, (length,), generator=g).tolist()
@@ -77,6 +81,31 @@ def bench_ttft(prompt_lens: list[int], repeats: int, dtype: str) -> dict:
     finally:
         cluster.stop()
     return out
+
+
+UNCHECKED = "tcp, digest off"
+
+
+def digest_ms(tokens: int, repeats: int) -> float:
+    """One end's cost of the verified handoff's digests for a request of `tokens` (SmolLM2's KV
+    shape, bf16, scattered blocks): gather + xxh3 of every block, best of `repeats`, ms."""
+    from pdserve.kv.pool import KVPool
+    from pdserve.kv.tp_plan import Piece
+    from pdserve.kv.transport import NodeTransports
+    from pdserve.plan.measure import DTYPE, KV_HEADS, pool_shape
+
+    n = max(1, tokens // BLOCK)
+    pool = KVPool(pool_shape(4 * n), DTYPE, "cpu")
+    pool.tensor.normal_()
+    ids = random.Random(0).sample(range(4 * n), n)
+    plan = [Piece(0, range(KV_HEADS), 0, range(KV_HEADS))]
+    runs = pool.group_runs(0, 0, n)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        NodeTransports([pool]).digests(plan, runs, [ids])
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
 
 
 def sweep(tokens: list[int], repeats: int, **where) -> dict:

@@ -25,7 +25,7 @@ Verified handoff: D's `PullRequest` names the prompt it needs the KV of (a diges
 `num_tokens` token ids) and the engine that prefilled it; P's `PushBegin` names the prompt it
 pushes. The passive side compares them with its own request and refuses another prompt's KV, so a
 decode node handed the wrong `kv_transfer_params` never answers from them. Where D asks for them
-(`--kv-verify-digest`), the transfer ends with a crc32 of the bytes moved of each (piece, KV group),
+(`--kv-verify-digest`), the transfer ends with an xxh3 digest of the bytes moved of each (piece, KV group),
 which D compares with its own of what landed: bytes corrupted or misplaced fail the load.
 
 Tensor parallelism: each side names its TP size (D in `PullRequest` and its push `Ack`, P in
