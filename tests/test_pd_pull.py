@@ -204,7 +204,7 @@ def test_load_from_dead_prefill_node(tmp_path, cluster, policy, status):
         d.stop()
 
 
-ROME, SOUP = "The history of the Roman empire begins", "My favourite recipe for tomato soup"
+ROME, SOUP = "The history of the Roman empire begins", "My favourite recipe for tomato soup is"
 
 
 @pytest.mark.parametrize("policy, status", [("recompute", 200), ("fail", 502)])

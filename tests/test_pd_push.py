@@ -52,6 +52,9 @@ def test_push_equals_pull_equals_colocated(cluster):
     for name in ("p", "d_shm", "d_tcp"):
         assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
         assert metric(cluster[name].url, "pdserve:kv_blocks_held") == 0
+    for name in ("d_shm", "d_tcp"):  # every transfer passed the handoff's checks (digests on): none recomputed
+        assert metric(cluster[name].url, "pdserve:kv_transfers_failed_total") == 0
+        assert metric(cluster[name].url, "pdserve:kv_transfer_bytes_total", 'direction="received"') > 0
 
 
 def test_sampling_controls_and_logprobs_through_push_and_pull_equal_colocated(cluster):

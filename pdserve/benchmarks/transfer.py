@@ -262,9 +262,19 @@ def markdown(res: dict, args) -> str:
               "| prompt tokens | transport | TTFT (ms) | P prefill request (ms) | KV transfer (ms) | transfer share |",
               "|---|---|---|---|---|---|"]
     for key, row in res["ttft"].items():
-        transport, length = key.split("_")
+        transport, length = key.rsplit("_", 1)
         lines.append(f"| {length} | {transport} | {row['ttft_s'] * 1e3:.0f} | {row['prefill_s'] * 1e3:.0f} | "
                      f"{row['transfer_s'] * 1e3:.1f} | {row['transfer_share'] * 100:.1f} % |")
+    if res.get("digest_ms"):
+        d = res["digest_ms"]
+        lines += ["", "The verified handoff's digests (issue 39; D's `--kv-verify-digest`, on by default): xxh3 of "
+                  "every block moved, computed on each end (P while D computes its own), one end's cost for "
+                  "scattered blocks: " + ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in d.items()) + "."]
+        for length in (n for n in ("2048", "512") if f"tcp_{n}" in res["ttft"] and f"{UNCHECKED}_{n}" in res["ttft"]):
+            on, off = res["ttft"][f"tcp_{length}"]["ttft_s"], res["ttft"][f"{UNCHECKED}_{length}"]["ttft_s"]
+            lines.append(f"- TTFT at {length} tokens over tcp: {on * 1e3:.0f} ms with the digest, {off * 1e3:.0f} ms "
+                         f"without ({(on - off) / off:+.1%}; the target is <= 2 %; one end's digest is "
+                         f"{d.get(length, float('nan')) / (on * 1e3):.1%} of TTFT).")
     return "\n".join(lines)
 
 
@@ -299,6 +309,7 @@ def main() -> None:
     if args.hosts:
         with Hosts(2) as hosts:
             res["hosts"] = between_hosts(hosts, args.mib, args.repeats, args.sweep_tokens)
+    res["digest_ms"] = {str(n): digest_ms(n, args.repeats) for n in (512, 2048, 4096)}
     res["ttft"] = bench_ttft(args.prompt_lens, max(args.repeats // 2, 2), args.dtype)
     publish(res, args.out, "transfer", "KV transfer: backends and share of TTFT", markdown(res, args))
 
