@@ -16,7 +16,6 @@ from pdserve.kv.channel import AuthError, client_handshake
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
-from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
@@ -116,10 +115,10 @@ PROMPT = list(range(1000, 1064))  # the prompt P held the KV of: 64 tokens, the 
 
 
 @pytest.mark.parametrize("proof, message", [
-    ({"num_tokens": 64, "tokens_digest": prompt_digest(list(range(2000, 2064)), 64)}, "of another prompt"),
-    ({"num_tokens": 64, "tokens_digest": prompt_digest([*PROMPT[:63], 5], 64)}, "of another prompt"),
-    ({"num_tokens": 65, "tokens_digest": prompt_digest([*PROMPT, 1], 65)}, "covers 64 prompt tokens, not the 65"),
-    ({"num_tokens": 64, "tokens_digest": prompt_digest(PROMPT, 64), "remote_engine_id": "before-restart"},
+    ({"num_tokens": 64, "prompt_token_ids": list(range(2000, 2064))}, "of another prompt"),
+    ({"num_tokens": 64, "prompt_token_ids": [*PROMPT[:63], 5]}, "of another prompt"),
+    ({"num_tokens": 65, "prompt_token_ids": [*PROMPT, 1]}, "covers 64 prompt tokens, not the 65"),
+    ({"num_tokens": 64, "prompt_token_ids": PROMPT, "remote_engine_id": "before-restart"},
      "prefilled by engine before-restart; this prefill node is engine p-engine"),
     ({}, "covers 64 prompt tokens, not the 0"),  # a pull that proves nothing
     (None, None),  # the right prompt (its first 63 tokens: D computes the last one itself)
@@ -135,7 +134,7 @@ def test_a_pull_is_served_only_for_the_prompt_and_engine_the_kv_is_of(proof, mes
     transports = NodeTransports([pool])
     sender = KVSender(transports, held, KVStats(), "127.0.0.1", 0, engine_id="p-engine")
     try:
-        right = {"num_tokens": 63, "tokens_digest": prompt_digest(PROMPT, 63), "remote_engine_id": "p-engine"}
+        right = {"num_tokens": 63, "prompt_token_ids": PROMPT, "remote_engine_id": "p-engine"}
         result, local, _ = pull(sender, transports.served(), "tcp", b"", [3, 4, 5, 9], [0, 1, 2, 3],
                                 **(right if proof is None else proof))
     finally:

@@ -17,7 +17,6 @@ from helpers import corrupting, every_transport, push_in_chunks
 
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool
-from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
@@ -181,9 +180,8 @@ def test_a_push_of_another_prompt_is_refused_before_any_layer_lands(pools):
     ours, theirs = list(range(100, 180)), list(range(200, 280))
     try:
         for i, (tokens, count) in enumerate(((theirs, 80), (ours, 79))):
-            receiver.expect(f"d-{i}", [DST], timeout_s=30, num_tokens=80, tokens_digest=prompt_digest(ours, 80))
-            push = PushTarget(f"d-{i}", [DST], 0, "127.0.0.1", receiver.port, d_transports.served(), count,
-                              prompt_digest(tokens, count))
+            receiver.expect(f"d-{i}", [DST], timeout_s=30, num_tokens=80, prompt_token_ids=ours)
+            push = PushTarget(f"d-{i}", [DST], 0, "127.0.0.1", receiver.port, d_transports.served(), count, tokens)
             sender.begin_step([SaveSpec(f"p-{i}", push, [SRC], [DST], last=True)])
             sender.save_kv_layer(0)
             sender.wait_for_save({})

@@ -35,7 +35,6 @@ from pdserve.kv.params import (
     wants_remote_prefill,
 )
 from pdserve.kv.pool import KVPool
-from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.push import PushReceiver, PushSender, PushTarget, SaveSpec
 from pdserve.kv.stats import KVStats
@@ -85,8 +84,8 @@ class ExpectSpec:
     metaserver: str
     proxy_request_id: str
     send_first_token: bool | None = None  # D decodes from P's first token: P pushes the whole prompt
-    num_tokens: int = 0  # the prompt tokens whose KV the push brings, and their digest (prompt_digest)
-    tokens_digest: int | None = None
+    num_tokens: int = 0  # the prompt tokens whose KV the push brings, of this prompt (D checks P's push)
+    prompt_token_ids: list[int] | None = None
 
     def announcement(self, advertised: dict[str, Any]) -> KVTransferParams:
         """What D tells the proxy's meta endpoint: its request, the blocks to push into, and where
@@ -186,7 +185,7 @@ class KVConnectorScheduler:
         if params.is_push:
             self._expects.append(ExpectSpec(req.request_id, [t[:last] for t in req.block_tables], first,
                                             params.metaserver, params.proxy_request_id, params.send_first_token,
-                                            num_tokens, prompt_digest(req.prompt_token_ids, num_tokens)))
+                                            num_tokens, req.prompt_token_ids))
             return
         self._pending.append(
             LoadSpec(
@@ -199,7 +198,7 @@ class KVConnectorScheduler:
                 remote_transports=tuple(params.remote_transports or ()),
                 num_tokens=num_tokens,
                 first_block=first,
-                tokens_digest=prompt_digest(req.prompt_token_ids, num_tokens),
+                prompt_token_ids=req.prompt_token_ids,
                 remote_engine_id=params.remote_engine_id,
             )
         )
@@ -236,8 +235,7 @@ class KVConnectorScheduler:
             if progress is None:
                 target = PushTarget(params.remote_request_id, split_tables(params.remote_block_ids, self.num_groups),
                                     params.remote_first_block, params.remote_host, params.remote_port,
-                                    tuple(params.remote_transports or ()), needed,
-                                    prompt_digest(req.prompt_token_ids, needed))
+                                    tuple(params.remote_transports or ()), needed, req.prompt_token_ids)
                 progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
             # D needs the KV of tokens [0, needed); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.
@@ -328,7 +326,8 @@ class KVConnectorWorker:
             self.receiver.release(spec)
         for spec in meta.expects:
             self.push_receiver.expect(spec.request_id, [t[spec.first_block:] for t in spec.block_ids],
-                                      self.config.wait_timeout_s, spec.num_tokens, spec.tokens_digest, spec.first_block)
+                                      self.config.wait_timeout_s, spec.num_tokens, spec.prompt_token_ids,
+                                      spec.first_block)
             self._announcer.submit(self._announce, spec, advertised)
         for rid in meta.push_aborts:
             self.pusher.abort(rid)

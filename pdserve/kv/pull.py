@@ -23,6 +23,7 @@ from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import join_tables
+from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
@@ -93,7 +94,9 @@ class LoadSpec:
     remote_transports: tuple[str, ...] = ()  # those P serves (none named: tcp)
     num_tokens: int = 0  # the sequence's KV ends here once loaded (0: every group takes every block)
     first_block: int = 0  # each table's first entry is this block of the sequence
-    tokens_digest: int | None = None  # of D's first num_tokens prompt tokens (P checks it: PullRequest)
+    # D's prompt (the request's own list): the pull names its first num_tokens tokens' digest, which
+    # P checks; computed on the load thread, never on the engine's (nor in the simulator).
+    prompt_token_ids: list[int] | None = None
     remote_engine_id: str | None = None  # the P engine that prefilled them
 
 
@@ -129,8 +132,9 @@ class KVReceiver:
     def _pull(self, spec: LoadSpec, transport: Transport) -> int:
         with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
             pools = self.transports
+            digest = None if spec.prompt_token_ids is None else prompt_digest(spec.prompt_token_ids, spec.num_tokens)
             send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport.name, pools.pool.layout,
-                                       pools.tp_size, spec.num_tokens, spec.first_block, spec.tokens_digest,
+                                       pools.tp_size, spec.num_tokens, spec.first_block, digest,
                                        spec.remote_engine_id, self.verify_digests))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:

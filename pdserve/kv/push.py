@@ -40,6 +40,7 @@ from pdserve.kv.protocol import (
     recv_msg,
     send_msg,
 )
+from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
@@ -58,8 +59,8 @@ class PushTarget:
     host: str
     port: int
     transports: tuple[str, ...] = ()  # those D serves (none named: tcp)
-    num_tokens: int = 0  # the prompt tokens whose KV P pushes, and their digest (D checks: PushBegin)
-    tokens_digest: int | None = None
+    num_tokens: int = 0  # the prompt tokens whose KV P pushes, of this prompt (D checks PushBegin's digest)
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -177,8 +178,9 @@ class PushSender:
         transport = self.transports[choose_transport(self.transport, PeerAddress(target.host, target.transports))]
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
+        digest = None if target.prompt_token_ids is None else prompt_digest(target.prompt_token_ids, target.num_tokens)
         send_msg(sock, PushBegin(target.request_id, transport.name, self.transports.pool.layout,
-                                 self.transports.tp_size, target.num_tokens, target.tokens_digest))
+                                 self.transports.tp_size, target.num_tokens, digest))
         reply = recv_msg(sock)
         if not isinstance(reply, Ack) or not reply.ok:
             raise ProtocolError(getattr(reply, "error", None) or "push refused")
@@ -271,8 +273,8 @@ def _peer_cancelled(sock: socket.socket) -> bool:
 class _Expected:
     tables: list[list[int]]  # D's blocks to push into, a table per KV group, from block first_block
     deadline: float
-    num_tokens: int = 0  # the prompt tokens whose KV the request needs, and their digest (None: unchecked)
-    tokens_digest: int | None = None
+    num_tokens: int = 0  # the prompt tokens whose KV the request needs, of this prompt (None: unchecked)
+    token_ids: list[int] | None = None
     first_block: int = 0
     active: bool = False  # a session is writing into the blocks
     cancelled: bool = False
@@ -298,11 +300,11 @@ class PushReceiver:
     # -- engine thread --------------------------------------------------------------------------
 
     def expect(self, request_id: str, tables: list[list[int]], timeout_s: float, num_tokens: int = 0,
-               tokens_digest: int | None = None, first_block: int = 0) -> None:
+               prompt_token_ids: list[int] | None = None, first_block: int = 0) -> None:
         """Take a push into `tables` (D's blocks from block `first_block` of the sequence, a table
-        per KV group) of the KV of the prompt's first `num_tokens` tokens (`tokens_digest`)."""
+        per KV group) of the KV of the first `num_tokens` tokens of `prompt_token_ids`."""
         with self._lock:
-            self._expected[request_id] = _Expected(tables, time.monotonic() + timeout_s, num_tokens, tokens_digest,
+            self._expected[request_id] = _Expected(tables, time.monotonic() + timeout_s, num_tokens, prompt_token_ids,
                                                    first_block)
 
     def cancel(self, request_id: str, error: str = "cancelled by the decode node") -> None:
@@ -340,8 +342,8 @@ class PushReceiver:
             exp = self._expected.get(begin.request_id)
             if exp is None or exp.cancelled or exp.active:
                 return f"not waiting for a push of request {begin.request_id!r}"
-            if exp.tokens_digest is not None and (begin.num_tokens, begin.tokens_digest) != (exp.num_tokens,
-                                                                                          exp.tokens_digest):
+            if exp.token_ids is not None and (begin.num_tokens, begin.tokens_digest) != (
+                    exp.num_tokens, prompt_digest(exp.token_ids, exp.num_tokens)):
                 return (f"the push is of another prompt than request {begin.request_id!r}'s (its first "
                         f"{begin.num_tokens} tokens; the request needs the KV of its first {exp.num_tokens})")
             exp.active = True
