@@ -107,7 +107,7 @@ def engine_config_from_args(args: argparse.Namespace):
         host=getattr(args, "kv_host", "127.0.0.1"),
         port=getattr(args, "kv_port", 0),
         transport=getattr(args, "kv_transport", "auto"),
-        hold_timeout_s=getattr(args, "kv_hold_timeout", 60.0),
+        lease_s=getattr(args, "kv_lease", 10.0),
         wait_timeout_s=getattr(args, "kv_wait_timeout", 30.0),
         load_failure_policy=getattr(args, "kv_load_failure_policy", "recompute"),
         verify_digest=getattr(args, "kv_verify_digest", "on") == "on",
@@ -518,8 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-port", type=int, default=0, help="port of the KV side channel (P); 0 = free port")
     serve.add_argument("--kv-transport", default="auto", choices=[AUTO, *TRANSPORTS],
                        help="how KV bytes move; auto = shm when the peer is on this host, else tcp")
-    serve.add_argument("--kv-hold-timeout", type=float, default=60.0, metavar="S",
-                       help="P frees KV that no D pulled within this many seconds")
+    serve.add_argument("--kv-lease", "--kv-hold-timeout", dest="kv_lease", type=float, default=10.0, metavar="S",
+                       help="P holds a prefill's KV for this lease, which the D that admitted the request renews "
+                            "until it pulls; KV nobody pulls is freed this long after (D renews every third)")
     serve.add_argument("--kv-wait-timeout", type=float, default=30.0, metavar="S",
                        help="D gives up on a KV transfer after this many seconds")
     serve.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],

@@ -89,7 +89,9 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # the side channel (and tcp data) listens here
     port: int = 0  # 0 = a free port
     transport: str = "auto"  # auto, or a name in kv/transport's registry (auto: shm when the peer is on this host)
-    hold_timeout_s: float = 60.0  # P frees blocks nobody pulled after this
+    # P holds a prefill's blocks for a lease this long, which the D that admitted the request renews
+    # (every third of it) until it pulls: blocks nobody will pull are freed this long after.
+    lease_s: float = 10.0
     wait_timeout_s: float = 30.0  # D gives up on a transfer after this
     load_failure_policy: str = "recompute"  # recompute (prefill locally) | fail (return an error)
     # D compares a digest (xxh3) of each transfer's bytes with P's (a corrupt or misplaced block fails the
@@ -102,8 +104,8 @@ class KVTransferConfig:
             raise ValueError(f"kv role must be one of {sorted(KV_ROLES)}, got {self.role!r}")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv load failure policy must be recompute or fail, got {self.load_failure_policy!r}")
-        if self.hold_timeout_s <= 0 or self.wait_timeout_s <= 0:
-            raise ValueError("kv hold and wait timeouts must be > 0")
+        if self.lease_s <= 0 or self.wait_timeout_s <= 0:
+            raise ValueError("kv lease and wait timeout must be > 0")
 
     @property
     def is_producer(self) -> bool:

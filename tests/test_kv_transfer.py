@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from helpers import corrupting, every_transport
 from pdserve.kv.channel import AuthError, client_handshake
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
+from pdserve.kv.leases import Lease, LeaseRenewer
 from pdserve.kv.pool import KVPool
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
@@ -28,7 +30,7 @@ SHAPE = (4, 2, 32, 16, 2, 8)  # layers, K/V, blocks, slots, kv heads, head dim
 def prefill_side():
     pool = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
-    held = HeldBlocks(timeout_s=60)
+    held = HeldBlocks(lease_s=60)
     held.hold("req-a", [3, 4, 5, 9])
     transports = NodeTransports([pool])
     stats = KVStats()
@@ -129,7 +131,7 @@ def test_a_pull_is_served_only_for_the_prompt_and_engine_the_kv_is_of(proof, mes
     and leave the hold for the D that asks properly."""
     pool = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
-    held = HeldBlocks(timeout_s=60)
+    held = HeldBlocks(lease_s=60)
     held.hold("req-a", [3, 4, 5, 9], PROMPT)
     transports = NodeTransports([pool])
     sender = KVSender(transports, held, KVStats(), "127.0.0.1", 0, engine_id="p-engine")
@@ -191,3 +193,37 @@ def test_a_pool_whose_creator_died_is_removed_and_a_live_ones_is_kept():
     finally:
         orphan.close()
         ours.close()
+
+
+def test_a_renewed_lease_outlives_its_first_deadline_and_an_unrenewed_one_expires(prefill_side):
+    """D's renewer (a real side channel connection every third of the lease) keeps P's hold; the
+    holds nobody renews are freed once their lease is over, the earliest deadline first."""
+    _, held, sender, _ = prefill_side
+    held.lease_s = 0.6
+    held.hold("renewed", [1, 2])
+    held.hold("late", [6])
+    held.hold("early", [7])
+    time.sleep(0.05)
+    assert held.renew(["late"]) == 1  # inserted before "early", its deadline is now after it
+    renewer = LeaseRenewer(timeout_s=5, secret=b"right", tick_s=0.05)
+    try:
+        renewer.track(Lease("d-1", "renewed", "127.0.0.1", sender.port, lease_s=0.6))
+        time.sleep(1.5)  # over two leases
+        assert held.pop_releasable() == [("early", True), ("late", True)]  # (req-a's lease is 60 s)
+        assert held.num_blocks == 4 + 2 and held.pin("renewed", [1, 2]) is None  # still readable
+        held.unpin("renewed", done=True)
+        renewer.untrack("d-1")
+        assert held.pop_releasable() == [("renewed", False)] and len(renewer) == 0
+    finally:
+        renewer.close()
+
+
+def test_the_reaper_frees_every_expired_hold_behind_an_unexpired_one():
+    """vLLM #58222: a reaper that stops at the first live hold strands the expired ones behind it."""
+    held = HeldBlocks(lease_s=60)
+    held.hold("live", [1])
+    held.lease_s = 0.01
+    held.hold("a", [2])
+    held.hold("b", [3])
+    time.sleep(0.05)
+    assert held.pop_releasable() == [("a", True), ("b", True)] and held.num_blocks == 1

@@ -83,7 +83,7 @@ def test_a_pull_fills_every_decode_rank_from_the_prefill_ranks_holding_its_heads
                                                                                tp_p, tp_d):
     model = model[..., :num_kv_heads, :].contiguous()
     p_pools, d_pools = rank_pools(model, num_kv_heads, tp_p), rank_pools(None, num_kv_heads, tp_d)
-    held = HeldBlocks(timeout_s=60)
+    held = HeldBlocks(lease_s=60)
     p_stats, d_stats = KVStats(), KVStats()
     result = pull(p_pools, d_pools, held, transport, p_stats, d_stats)
     try:
@@ -130,7 +130,7 @@ def test_a_peer_whose_tp_cannot_split_the_heads_is_refused(model):
     d_pools = [KVPool((LAYERS, 2, BLOCKS, SLOTS, 1, HEAD_DIM), torch.float32, "cpu", shared=True, model_kv_heads=2)
                for _ in range(3)]
     try:
-        result = pull(p_pools, d_pools, HeldBlocks(timeout_s=60), "tcp", KVStats(), KVStats())
+        result = pull(p_pools, d_pools, HeldBlocks(lease_s=60), "tcp", KVStats(), KVStats())
     finally:
         close(p_pools, d_pools)
     assert "decode node's TP size 3 cannot split the model's 2 KV heads" in result.error

@@ -46,7 +46,7 @@ def time_pull(p: NodeTransports, d: NodeTransports, transport: str, blocks: list
               num_tokens: int = 0) -> list[float]:
     """Seconds per pull of `blocks` (a table per KV group, the same ids at both ends); `num_tokens` > 0:
     the KV ends there and sliding groups move their window."""
-    held, inbox = HeldBlocks(timeout_s=600), TransferInbox()
+    held, inbox = HeldBlocks(lease_s=600), TransferInbox()
     sender = KVSender(p, held, KVStats(), "127.0.0.1", 0)
     receiver = KVReceiver(d, KVStats(), inbox, transport, timeout_s=60)
     seconds = []

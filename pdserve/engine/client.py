@@ -46,6 +46,10 @@ class EngineClient(ABC):
         """The prefix cache's event batches after batch `after` (kv/events.py: KVEventLog.page)."""
 
     @abstractmethod
+    def release_kv_hold(self, request_id: str) -> bool:
+        """P: free the KV held for request_id (no D will pull it); False if none is held."""
+
+    @abstractmethod
     def kv_snapshot(self) -> KVSnapshot:
         """Every block hash the prefix cache holds now."""
 

@@ -151,11 +151,17 @@ class LLMEngine:
         kv = self.config.kv_transfer
         if kv.role == "both":
             return None, None
-        held = HeldBlocks(kv.hold_timeout_s)
+        held = HeldBlocks(kv.lease_s)
         connector = KVConnectorScheduler(kv, self.config.block_size, held, self.engine_id, self.kv_spec.group_windows)
         worker = KVConnectorWorker(kv, held, self.kv_stats, self.engine_id)
         connector.advertised = worker.register_kv_caches(self.pools)
         return connector, worker
+
+    def release_kv_hold(self, request_id: str) -> bool:
+        """P: no D will pull request_id's KV; its blocks are freed at the next step (once no pull reads them)."""
+        if self.connector is None or not self.config.kv_transfer.is_producer:
+            raise InvalidParameter("request_id", "only a prefill (or kv_both) node holds KV for decode nodes")
+        return self.connector.held.release(request_id)
 
     # -- requests -------------------------------------------------------------------------------
 

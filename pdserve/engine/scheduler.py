@@ -92,6 +92,8 @@ class Scheduler:
         """Queue a request; its siblings (the other n - 1 sequences) wait for it to compute the prompt."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if self.connector is not None:
+            self.connector.request_added(req)
         if siblings:
             for sibling in siblings:
                 self.requests[sibling.request_id] = sibling

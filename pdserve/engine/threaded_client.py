@@ -99,6 +99,9 @@ class ThreadedEngineClient(EngineClient):
     def token_texts(self, token_ids: list[int]) -> list[str]:
         return self.engine.token_texts(token_ids)
 
+    def release_kv_hold(self, request_id: str) -> bool:
+        return self.engine.release_kv_hold(request_id)  # (thread-safe: the holds have their lock)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       kv_transfer_params: KVTransferParams | None = None) -> CheckedRequest:
         return self.engine.check_request(prompt_token_ids, params, kv_transfer_params)

@@ -26,6 +26,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv.channel import resolve_secret
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
+from pdserve.kv.leases import Lease, LeaseRenewer
 from pdserve.kv.params import (
     KVTransferParams,
     join_tables,
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 # The peer's address and blocks: what D needs to pull, and what P needs to push.
 PEER_FIELDS = ("remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+RENEW_TIMEOUT_S = 5.0  # a renewal P does not take in this long is given up (the next one comes soon)
 
 
 class ConnectorRequest(Protocol):
@@ -105,6 +107,7 @@ class ConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)  # P, push: layers to push this step
     push_aborts: list[str] = field(default_factory=list)  # P, push: requests that ended early
     releases: list[LoadSpec] = field(default_factory=list)  # D, pull: finished unloaded; P may free its hold
+    leases: list[Lease] = field(default_factory=list)  # D, pull: admitted; renew P's hold until loaded
 
 
 @dataclass
@@ -133,6 +136,7 @@ class KVConnectorScheduler:
         self._cancels: list[str] = []
         self._push_aborts: list[str] = []
         self._releases: list[LoadSpec] = []  # D, pull: requests that will never pull
+        self._leases: list[Lease] = []  # D, pull: requests admitted since the last step
         self._pushing: dict[str, PushProgress] = {}  # P, push: by request id, until it finishes
 
     def validate(self, params: KVTransferParams | None, num_prompt_tokens: int) -> None:
@@ -165,6 +169,13 @@ class KVConnectorScheduler:
                                    f"remote_block_ids must list {needed} block ids{tables} for this prompt")
 
     # -- D: loads -------------------------------------------------------------------------------
+
+    def request_added(self, req: ConnectorRequest) -> None:
+        """D admitted req: from now until it pulls, it renews P's lease on the KV (kv/leases.py)."""
+        params = req.kv_transfer_params
+        if wants_remote_prefill(params) and not params.is_push:
+            self._leases.append(Lease(req.request_id, params.remote_request_id, params.remote_host,
+                                      params.remote_port, params.remote_lease_s or self.config.lease_s))
 
     def get_num_new_matched_tokens(self, req: ConnectorRequest, num_computed_tokens: int) -> int:
         """Prompt tokens, beyond those computed or cached here, whose KV will be loaded from P.
@@ -211,12 +222,14 @@ class KVConnectorScheduler:
             self._push_aborts.append(req.request_id)
 
     def has_pending(self) -> bool:
-        return bool(self._pending or self._expects or self._cancels or self._push_aborts or self._releases)
+        return bool(self._pending or self._expects or self._cancels or self._push_aborts or self._releases
+                    or self._leases)
 
     def build_connector_meta(self, scheduled: list | None = None) -> ConnectorMetadata:
         meta = ConnectorMetadata(self._pending, self._expects, self._cancels,
-                                 self._saves(scheduled or []), self._push_aborts, self._releases)
+                                 self._saves(scheduled or []), self._push_aborts, self._releases, self._leases)
         self._pending, self._expects, self._cancels, self._push_aborts, self._releases = [], [], [], [], []
+        self._leases = []
         return meta
 
     def _saves(self, scheduled: list) -> list[SaveSpec]:
@@ -272,7 +285,8 @@ class KVConnectorScheduler:
         self.held.hold(req.request_id, blocks, req.prompt_token_ids)
         first = req.output_token_ids[0] if req.output_token_ids else None
         return True, KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks, remote_engine_id=self.engine_id,
-                                      remote_request_id=req.request_id, first_token_id=first, **self.advertised)
+                                      remote_request_id=req.request_id, first_token_id=first,
+                                      remote_lease_s=self.config.lease_s, **self.advertised)
 
 
 class KVConnectorWorker:
@@ -287,6 +301,7 @@ class KVConnectorWorker:
         self.pusher: PushSender | None = None
         self.receiver: KVReceiver | None = None
         self.push_receiver: PushReceiver | None = None
+        self.leases: LeaseRenewer | None = None  # D
         self._announcer = ThreadPoolExecutor(2, thread_name_prefix="kv-announce")
         self._http = httpx.Client(timeout=config.wait_timeout_s)  # keep-alive to the proxy
 
@@ -305,8 +320,9 @@ class KVConnectorWorker:
             self.sender = KVSender(self.transports, self.held, self.stats, kv.host, kv.port, secret, self.engine_id)
             channel = self.sender
         if kv.is_consumer:
+            self.leases = LeaseRenewer(min(kv.wait_timeout_s, RENEW_TIMEOUT_S), secret)
             self.receiver = KVReceiver(self.transports, self.stats, self.inbox, kv.transport, kv.wait_timeout_s, secret,
-                                       verify_digests=kv.verify_digest)
+                                       verify_digests=kv.verify_digest, leases=self.leases)
         if kv.takes_push and kv.is_producer:
             self.pusher = PushSender(self.transports, self.stats, kv.transport, kv.wait_timeout_s, secret)
         elif kv.takes_push:
@@ -317,6 +333,8 @@ class KVConnectorWorker:
                 "remote_transports": list(self.transports.served()), "tp_size": len(pools)}
 
     def start_load_kv(self, meta: ConnectorMetadata, advertised: dict[str, Any]) -> None:
+        for lease in meta.leases:
+            self.leases.track(lease)
         for spec in meta.loads:
             self.receiver.start(spec)
         for rid in meta.cancels:
@@ -362,7 +380,7 @@ class KVConnectorWorker:
     def close(self) -> None:
         self._announcer.shutdown(wait=False, cancel_futures=True)
         self._http.close()
-        for part in (self.sender, self.receiver, self.push_receiver):
+        for part in (self.sender, self.receiver, self.push_receiver, self.leases):
             if part is not None:
                 part.close()
         if self.transports is not None:

@@ -1,4 +1,10 @@
-"""P's holds: finished prefills whose blocks wait for a decode node to pull them."""
+"""P's holds: finished prefills whose blocks wait for a decode node to pull them.
+
+A hold is a lease (vLLM NIXL's design): it lasts `lease_s` from the prefill, and each `Renew` from
+the decode node that admitted the request extends it to `lease_s` from then. A D that has the
+request renews while it is queued there, so a short lease frees the blocks of requests nobody will
+pull (the D died, the proxy gave up) soon, without cutting off a D that is merely busy.
+"""
 
 from __future__ import annotations
 
@@ -21,15 +27,15 @@ class _Hold:
 class HeldBlocks:
     """P's registry of finished requests whose blocks wait for a D (shared by engine and server)."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
 
     def hold(self, request_id: str, block_ids: list[int], token_ids: list[int] | None = None) -> None:
         with self._lock:
             # (the request's prompt list itself: a prompt never changes)
-            self._holds[request_id] = _Hold(list(block_ids), time.monotonic() + self.timeout_s, token_ids)
+            self._holds[request_id] = _Hold(list(block_ids), time.monotonic() + self.lease_s, token_ids)
 
     def pin(self, request_id: str, block_ids: list[int], num_tokens: int = 0, digest: int | None = None) -> str | None:
         """Reserve the hold for one transfer; an error message if the request may not be read: the
@@ -53,6 +59,17 @@ class HeldBlocks:
             h.pinned += 1
             return None
 
+    def renew(self, request_ids: list[str]) -> int:
+        """Extend the named holds to a full lease from now; how many were still held."""
+        deadline, renewed = time.monotonic() + self.lease_s, 0
+        with self._lock:
+            for rid in request_ids:
+                h = self._holds.get(rid)
+                if h is not None and not h.done:
+                    h.deadline = max(h.deadline, deadline)
+                    renewed += 1
+        return renewed
+
     def unpin(self, request_id: str, done: bool) -> None:
         with self._lock:
             h = self._holds.get(request_id)
@@ -69,10 +86,13 @@ class HeldBlocks:
             return h is not None
 
     def pop_releasable(self) -> list[tuple[str, bool]]:
-        """(request id, expired) of holds whose blocks can be freed now: pulled, or expired and idle."""
+        """(request id, expired) of holds whose blocks can be freed now: pulled, or expired and idle.
+
+        Every hold is looked at (a reaper that stops at the first unexpired one strands the blocks
+        behind it: vLLM #58222); the freed come in deadline order."""
         now, out = time.monotonic(), []
         with self._lock:
-            for rid, h in list(self._holds.items()):
+            for rid, h in sorted(self._holds.items(), key=lambda item: item[1].deadline):
                 if h.pinned:
                     continue
                 if h.done or now > h.deadline:

@@ -43,6 +43,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     # The KV transports the peer's side channel serves (kv/transport/: shm, tcp, ...); what each
     # needs of the peer travels in its handshake on the side channel. Absent: tcp alone.
     remote_transports: list[str] | None = None
+    remote_lease_s: float | None = None  # pull: P's lease on the held blocks, which D renews (kv/holds.py)
     remote_first_block: int | None = None  # push: D already holds the blocks before this one
     metaserver: str | None = None  # push: where D announces its blocks (the proxy's /v1/kv/meta)
     proxy_request_id: str | None = None  # push: the proxy's id, to match D's announcement

@@ -88,6 +88,12 @@ class PullDone(msgspec.Struct, tag=True):
     ok: bool = True
 
 
+class Renew(msgspec.Struct, tag=True):
+    """D -> P: these requests (P's ids) are admitted on D and still coming: extend their leases."""
+
+    request_ids: list[str]
+
+
 class Ack(msgspec.Struct, tag=True):
     ok: bool = True
     error: str | None = None
@@ -151,7 +157,7 @@ class AuthResult(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = PullRequest | PullReply | PullDone | Ack | PushBegin | PushLayers | PushDone | Challenge | Auth | AuthResult
+Message = PullRequest | PullReply | PullDone | Renew | Ack | PushBegin | PushLayers | PushDone | Challenge | Auth | AuthResult
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -24,7 +24,8 @@ from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import join_tables
 from pdserve.kv.prefix_hash import prompt_digest
-from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, recv_msg, send_msg
+from pdserve.kv.leases import LeaseRenewer
+from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, Renew, recv_msg, send_msg
 from pdserve.kv.stats import KVStats
 from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
                                   choose_transport)
@@ -39,10 +40,13 @@ class KVSender:
                  secret: bytes = b"", engine_id: str | None = None) -> None:
         self.transports, self.held, self.stats = transports, held, stats
         self.engine_id = engine_id  # this engine's (new at every start): a pull naming another is refused
-        self.channel = SideChannelServer(host, port, "kv-sender", (PullRequest, PullDone), self._serve, secret)
+        self.channel = SideChannelServer(host, port, "kv-sender", (PullRequest, PullDone, Renew), self._serve, secret)
         self.host, self.port = host, self.channel.port
 
-    def _serve(self, conn: socket.socket, req: PullRequest | PullDone) -> None:
+    def _serve(self, conn: socket.socket, req: PullRequest | PullDone | Renew) -> None:
+        if isinstance(req, Renew):  # a D has these requests and is still coming for them
+            send_msg(conn, Ack(ok=self.held.renew(req.request_ids) == len(req.request_ids)))
+            return
         if isinstance(req, PullDone):  # opening with PullDone: D drops the request without pulling
             send_msg(conn, Ack(ok=self.held.release(req.request_id)))
             return
@@ -104,8 +108,10 @@ class KVReceiver:
     """D's loader."""
 
     def __init__(self, transports: NodeTransports, stats: KVStats, inbox: TransferInbox, transport: str,
-                 timeout_s: float, secret: bytes = b"", max_workers: int = 4, verify_digests: bool = False) -> None:
+                 timeout_s: float, secret: bytes = b"", max_workers: int = 4, verify_digests: bool = False,
+                 leases: LeaseRenewer | None = None) -> None:
         self.transports, self.stats, self.inbox = transports, stats, inbox
+        self.leases = leases  # renews P's holds of admitted requests until their load ends
         self.transport = transport  # auto or a registered name
         self.verify_digests = verify_digests  # compare the blocks' digests with P's (--kv-verify-digest)
         self.secret = secret
@@ -121,10 +127,12 @@ class KVReceiver:
         try:
             nbytes = self._pull(spec, self.transports[name])
         except Exception as exc:  # noqa: BLE001 - any failure is reported, never raised on a pool thread
+            self._untrack(spec)
             logger.warning("KV load of %s from %s:%s failed: %s", spec.request_id, spec.remote_host, spec.remote_port, exc)
             self.stats.add_failed()
             self.inbox.put(TransferResult(spec.request_id, f"{type(exc).__name__}: {exc}", "pull", name))
             return
+        self._untrack(spec)
         seconds = time.perf_counter() - start
         self.stats.add_received(nbytes, seconds, name)
         self.inbox.put(TransferResult(spec.request_id, None, "pull", name, seconds, nbytes))
@@ -155,8 +163,13 @@ class KVReceiver:
                 check_digests(ours, ack.digests, "prefill node")
             return nbytes
 
+    def _untrack(self, spec: LoadSpec) -> None:
+        if self.leases is not None:
+            self.leases.untrack(spec.request_id)
+
     def release(self, spec: LoadSpec) -> None:
         """Tell P (in the background) that this request will never pull, so it frees its hold."""
+        self._untrack(spec)
         self._executor.submit(self._release, spec)
 
     def _release(self, spec: LoadSpec) -> None:

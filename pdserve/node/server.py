@@ -14,6 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
 from pdserve.api.errors import APIError, error_response, install_error_handlers, too_busy
 from pdserve.api.guards import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, overloaded
@@ -61,6 +62,12 @@ async def _finals(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[list[R
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
+
+
+class KVReleaseRequest(BaseModel):
+    """POST /kv/release: P's request id (remote_request_id in its kv_transfer_params)."""
+
+    request_id: str = Field(min_length=1)
 
 class NodeServer:
     """Binds an engine client to the HTTP API; `app` is the ASGI application."""
@@ -120,6 +127,11 @@ class NodeServer:
         @app.get("/kv/snapshot")
         async def kv_snapshot():
             return Response(msgspec.json.encode(self.engine.kv_snapshot()), media_type="application/json")
+
+        @app.post("/kv/release")
+        async def kv_release(body: KVReleaseRequest):
+            """P: a request's KV will not be pulled (its client left): free the hold now."""
+            return {"released": self.engine.release_kv_hold(body.request_id)}
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):

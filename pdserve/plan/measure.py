@@ -65,7 +65,7 @@ def serve_blocks(blocks: int, repeats: int, host: str) -> None:
     total, layouts = block_layouts(blocks)
     pool = KVPool(pool_shape(total), DTYPE, "cpu", shared=True)
     pool.tensor.copy_(torch.randn(pool.shape).to(DTYPE))
-    held = HeldBlocks(timeout_s=3600)
+    held = HeldBlocks(lease_s=3600)
     for t in available():
         for layout, ids in layouts.items():
             for i in range(repeats):

@@ -88,10 +88,14 @@ class AutoFlow(Flow):
                 if prefiller is not None:
                     decoder.reserve(req.tokens)  # in D's batch to come while P prefills (Node.reserved_requests)
                     try:
-                        body = {**req.body, "kv_transfer_params": await self.prefill_for_pull(prefiller, req)}
+                        kv_params = await self.prefill_for_pull(prefiller, req)
                     finally:
                         decoder.unreserve(req.tokens)
-                response = await self.answer(decoder, self.ask(decoder, req, body), req)
+                    body = {**req.body, "kv_transfer_params": kv_params}
+                    response = await self.decode_pulled(prefiller, kv_params,
+                                                        self.answer(decoder, self.ask(decoder, req, body), req))
+                else:
+                    response = await self.answer(decoder, self.ask(decoder, req, body), req)
                 (prefiller or decoder).speed.observe_prefill(timing.prefill_s, placement.prefill_profile_s)
                 return response
             except NodeError as exc:

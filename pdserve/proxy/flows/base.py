@@ -75,6 +75,7 @@ class Flow(ABC):
         self.index = index  # the nodes' prefix caches, as the proxy follows them
         self.prefill_policy = POLICIES.get(config.policy)()
         self.decode_policy = POLICIES.get(config.policy)()
+        self._releasing: set[asyncio.Task] = set()  # P holds being freed (decode_pulled)
 
     @abstractmethod
     async def serve(self, req: ClientRequest) -> Response:
@@ -148,6 +149,23 @@ class Flow(ABC):
         if reports_prompt(req.body):  # only P computed the prompt: its part of the answer comes from here
             req.prompt_part = PromptPart.of(req.body, answer)
         return answer.get("kv_transfer_params")
+
+    async def decode_pulled(self, prefiller: Node, kv_params: dict, decode: Awaitable[T]) -> T:
+        """D's part of a pull. Should it end without an answer (the client left, no D answered), P
+        frees the hold now rather than when its lease runs out (Dynamo #13855)."""
+        try:
+            return await decode
+        except BaseException:
+            task = asyncio.get_running_loop().create_task(self._release_hold(prefiller, kv_params))
+            self._releasing.add(task)  # (a task nobody references may be collected before it runs)
+            task.add_done_callback(self._releasing.discard)
+            raise
+
+    async def _release_hold(self, prefiller: Node, kv_params: dict) -> None:
+        try:
+            await self.client.post(prefiller, "/kv/release", {"request_id": kv_params.get("remote_request_id")})
+        except NodeError as exc:  # P gone: its hold went with it
+            logger.info("releasing a hold on %s failed: %s", prefiller.url, exc)
 
     async def prefill_for_pull(self, node: Node, req: ClientRequest) -> dict:
         """P prefills and holds the KV for a decode node to pull; the kv_transfer_params for D."""

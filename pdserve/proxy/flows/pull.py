@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows.base import ClientRequest, Flow
+from pdserve.proxy.policies import Node
 
 
 class PullFlow(Flow):
@@ -21,7 +22,11 @@ class PullFlow(Flow):
     async def serve(self, req: ClientRequest) -> Response:
         if prompt_only(req.body):  # the scoring call: P computes and reports the prompt, nothing to move
             return await self.on_some_node("prefill", req, lambda p: self.answer(p, self.ask(p, req, req.body), req))
-        kv_params = await self.on_some_node("prefill", req, lambda p: self.prefill_for_pull(p, req))
-        # Another D may pull the same KV (P holds it until pulled or timed out), or recompute.
+        async def held_on(p: Node) -> tuple[Node, dict]:
+            return p, await self.prefill_for_pull(p, req)
+
+        prefiller, kv_params = await self.on_some_node("prefill", req, held_on)
+        # Another D may pull the same KV (P holds it until pulled or its lease runs out), or recompute.
         d_body = {**req.body, "kv_transfer_params": kv_params}
-        return await self.on_some_node("decode", req, lambda d: self.answer(d, self.ask(d, req, d_body), req))
+        return await self.decode_pulled(prefiller, kv_params, self.on_some_node(
+            "decode", req, lambda d: self.answer(d, self.ask(d, req, d_body), req)))
