@@ -423,6 +423,9 @@ def test_9_abort_storm_during_load_leaves_the_cluster_serving_and_leaks_nothing(
             return await long, [(i, r) for (i, _), r in zip(storm, outcomes) if isinstance(r, httpx.Response)]
 
     long, finished = asyncio.run(storm())
+    print(f"abort storm: {len(finished)} of 500 answered before their cancel; prompt tokens computed "
+          f"on P {metric(p.url, 'pdserve:prompt_tokens_total'):.0f}, decode tokens on D "
+          f"{metric(d.url, 'pdserve:generation_tokens_total'):.0f}")
     assert text_of(long) == colocated(long_prompt, 200)
     for i, r in finished[:5]:  # those that beat their cancel: complete and right
         assert text_of(r) == colocated(prompt_ids(64, seed=1000 + i), 16)

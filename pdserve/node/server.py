@@ -63,11 +63,11 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-
 class KVReleaseRequest(BaseModel):
     """POST /kv/release: P's request id (remote_request_id in its kv_transfer_params)."""
 
     request_id: str = Field(min_length=1)
+
 
 class NodeServer:
     """Binds an engine client to the HTTP API; `app` is the ASGI application."""
