@@ -127,6 +127,7 @@ class Child:
     log_path: str | None = None  # where its output goes; None: through an OutputRelay
     proc: subprocess.Popen | None = None
     output: OutputRelay | None = None
+    launcher: tuple[str, ...] = ()  # run through this first (`ip netns exec NS`: a test host's namespace)
 
     @classmethod
     def on_free_port(cls, name: str, args: list[str], cores: tuple[int, ...] | None = None, role: str = "",
@@ -137,7 +138,7 @@ class Child:
                    **kwargs)
 
     def start(self, env: dict[str, str] | None = None, hold_output: bool = False) -> None:
-        command = [sys.executable, "-m", "pdserve.cli", *self.args]
+        command = [*self.launcher, sys.executable, "-m", "pdserve.cli", *self.args]
         if self.log_path is None:
             self.proc = subprocess.Popen(command, preexec_fn=_child_setup(self.cores), env=env,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

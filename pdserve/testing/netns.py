@@ -144,9 +144,22 @@ def remove_stale() -> list[str]:
 class Host:
     ns: str
     address: str
+    dev: str = ""  # its end of the veth pair to the bridge
 
     def command(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns, *argv]
+
+    def set_link(self, up: bool) -> None:
+        """Take the host's link to the bridge down (its peers' packets go nowhere) or back up."""
+        _ip("-n", self.ns, "link", "set", self.dev, "up" if up else "down")
+
+    def cap_rate(self, rate: str | None) -> None:
+        """Cap what the host sends over its link (tc's token bucket, e.g. "100mbit"); None lifts it."""
+        if rate is None:
+            subprocess.run(["tc", "-n", self.ns, "qdisc", "del", "dev", self.dev, "root"], capture_output=True)
+        else:
+            subprocess.run(["tc", "-n", self.ns, "qdisc", "replace", "dev", self.dev, "root", "tbf", "rate", rate,
+                            "burst", "256kb", "latency", "500ms"], check=True, capture_output=True, text=True)
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(argv), **kwargs)
@@ -206,7 +219,7 @@ class Hosts:
             _ip("addr", "add", f"{address(BRIDGE_HOST)}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i in range(self.count):
-                host = Host(f"pdserve-{self.tag}-{i}", address(i + 1))
+                host = Host(f"pdserve-{self.tag}-{i}", address(i + 1), self._veth(i, "i"))
                 _ip("netns", "add", host.ns)
                 self.hosts.append(host)
                 outer, inner = self._veth(i, "o"), self._veth(i, "i")
