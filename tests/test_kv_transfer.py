@@ -116,6 +116,22 @@ def test_only_the_named_requests_blocks_can_be_read(prefill_side, request_id, bl
 PROMPT = list(range(1000, 1064))  # the prompt P held the KV of: 64 tokens, the 4 blocks of 16
 
 
+def test_a_duplicated_pull_and_a_reference_to_blocks_freed_and_reused_since_are_refused(prefill_side):
+    """A hold's blocks are readable only under the request id they were held for (never reused) on
+    the engine that prefilled them: that pair is the blocks' allocation epoch. A second pull of a
+    pulled request, and a pull naming it after its blocks went to another request, get nothing."""
+    _, held, sender, _ = prefill_side
+    served = sender.transports.served()
+    first, _, _ = pull(sender, served, "tcp", b"right", [3, 4], [0, 1])
+    assert first.error is None and held.pop_releasable() == [("req-a", False)]
+    duplicate, local, _ = pull(sender, served, "tcp", b"right", [3, 4], [0, 1])
+    assert "no KV held for request 'req-a'" in duplicate.error and local.tensor.abs().sum() == 0
+    held.hold("req-b", [4, 3], PROMPT)  # the same blocks, now another request's
+    stale, local, _ = pull(sender, served, "tcp", b"right", [3, 4], [0, 1])
+    assert "no KV held for request 'req-a'" in stale.error and local.tensor.abs().sum() == 0
+    assert held.num_blocks == 2  # req-b's hold untouched
+
+
 @pytest.mark.parametrize("proof, message", [
     ({"num_tokens": 64, "prompt_token_ids": list(range(2000, 2064))}, "of another prompt"),
     ({"num_tokens": 64, "prompt_token_ids": [*PROMPT[:63], 5]}, "of another prompt"),
