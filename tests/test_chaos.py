@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from servers import Procs, metric, wait_for_metric
+from servers import Procs, free_port, metric, wait_for_metric
 
 from pdserve.procs import Child
 
@@ -156,6 +156,23 @@ def test_2_prefill_node_killed_after_prefill_before_pull(procs, colocated):
     assert text_of(r) == expected and time.monotonic() - start < ANSWER_BOUND_S
     assert metric(d.url, "pdserve:kv_transfers_failed_total") == 1
     assert_released(d)
+
+
+def test_2b_prefill_node_restarted_on_the_same_kv_port_before_the_pull(procs, colocated):
+    """A new P answers on the old P's KV port: the pull names the old engine, the new one refuses it
+    (before any byte moves) and D recomputes the colocated answer."""
+    kv_port = free_port()
+    p = prefill_node(procs, "p-before", "--kv-port", str(kv_port))
+    d = decode_node(procs)
+    prompt = prompt_ids(300, seed=21)
+    params = prefill_directly(p, prompt)
+    kill(p)
+    p = prefill_node(procs, "p-after", "--kv-port", str(kv_port))
+    r = httpx.post(d.url + "/v1/completions", json=body(prompt, kv_transfer_params=params), timeout=120)
+    assert text_of(r) == colocated(prompt)
+    assert metric(d.url, "pdserve:kv_transfers_failed_total") == 1
+    assert "this prefill node is engine" in d.log()  # refused for the engine, not for a missing hold
+    assert_released(p, d)
 
 
 # 3 -----------------------------------------------------------------------------------------------
