@@ -127,12 +127,12 @@ class KVReceiver:
         try:
             nbytes = self._pull(spec, self.transports[name])
         except Exception as exc:  # noqa: BLE001 - any failure is reported, never raised on a pool thread
-            self._untrack(spec)
             logger.warning("KV load of %s from %s:%s failed: %s", spec.request_id, spec.remote_host, spec.remote_port, exc)
             self.stats.add_failed()
             self.inbox.put(TransferResult(spec.request_id, f"{type(exc).__name__}: {exc}", "pull", name))
             return
-        self._untrack(spec)
+        finally:
+            self._untrack(spec)  # loaded or failed: the hold needs no more renewing
         seconds = time.perf_counter() - start
         self.stats.add_received(nbytes, seconds, name)
         self.inbox.put(TransferResult(spec.request_id, None, "pull", name, seconds, nbytes))
