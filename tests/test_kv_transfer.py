@@ -234,6 +234,27 @@ def test_a_renewed_lease_outlives_its_first_deadline_and_an_unrenewed_one_expire
         renewer.close()
 
 
+def test_a_p_that_never_answers_does_not_delay_another_ps_renewals(prefill_side):
+    """Each P is renewed on its own worker: a P whose side channel accepts and never answers (the
+    renewal waits out its 3 s timeout) is tracked first, and the live P's hold, on a 0.6 s lease,
+    is still renewed every 0.2 s."""
+    _, held, sender, _ = prefill_side
+    held.lease_s = 0.6
+    held.hold("renewed", [1, 2])
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel completes connects; nobody replies
+    renewer = LeaseRenewer(timeout_s=3, secret=b"right", tick_s=0.05)
+    try:
+        renewer.track(Lease("d-silent", "lost", "127.0.0.1", silent.getsockname()[1], lease_s=0.6))
+        renewer.track(Lease("d-1", "renewed", "127.0.0.1", sender.port, lease_s=0.6))
+        time.sleep(1.5)
+        assert held.pop_releasable() == [] and held.pin("renewed", [1, 2]) is None
+        held.unpin("renewed", done=True)
+        assert held.pop_releasable() == [("renewed", False)]
+    finally:
+        renewer.close()
+        silent.close()
+
+
 def test_the_reaper_frees_every_expired_hold_behind_an_unexpired_one():
     """vLLM #58222: a reaper that stops at the first live hold strands the expired ones behind it."""
     held = HeldBlocks(lease_s=60)
