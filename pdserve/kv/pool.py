@@ -124,7 +124,7 @@ class KVPool:
         """The pool as flat bytes (CPU pools only): sockets send from and receive into it."""
         if self.tensor.device.type != "cpu":
             raise RuntimeError("KV transfer needs a CPU KV pool")
-        return memoryview(self.tensor.view(-1).view(torch.uint8).numpy())
+        return tensor_bytes(self.tensor)
 
     def segments(self, block_ids: list[int], layers: range | None = None) -> list[tuple[int, int]]:
         """(offset, length) of the bytes of `block_ids` in layer slots `layers` (all by default), in
@@ -187,7 +187,7 @@ class KVPool:
         at 2048 tokens; xxh3 1.3 ms, zlib's crc32 7 ms)."""
         if not self.holds_all(heads):
             data = self.gather(block_ids, layers, heads)
-            return xxhash.xxh3_64_intdigest(memoryview(data.view(-1).view(torch.uint8).numpy()))
+            return xxhash.xxh3_64_intdigest(tensor_bytes(data))
         hasher, pool = xxhash.xxh3_64(), self.byte_view()
         for offset, length in self.segments(block_ids, layers):
             hasher.update(pool[offset : offset + length])
@@ -208,6 +208,11 @@ class KVPool:
         if self.shm is not None:  # ours: only the creator unlinks
             self.shm.unlink()
         self.shm = self._mapping = None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, shared with it (no copy)."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
 _SAME_BYTES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

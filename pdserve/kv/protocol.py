@@ -190,3 +190,12 @@ def recv_msg(sock: socket.socket) -> Message:
         return _decoder.decode(recv_exactly(sock, length))
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"bad control message: {exc}") from exc
+
+
+def check_digests(ours: list[int], theirs: list[int] | None, peer: str) -> None:
+    """ProtocolError unless the peer's digests of a transfer equal ours (issue 39's verified handoff)."""
+    if theirs is None:
+        raise ProtocolError(f"the {peer} sent no digest of the KV it moved")
+    differ = sum(a != b for a, b in zip(ours, theirs)) + abs(len(ours) - len(theirs))
+    if differ:
+        raise ProtocolError(f"KV arrived corrupted: {differ} of {len(ours)} digests differ from the {peer}'s")

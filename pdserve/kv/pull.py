@@ -25,10 +25,10 @@ from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.params import join_tables
 from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.leases import LeaseRenewer
-from pdserve.kv.protocol import Ack, ProtocolError, PullDone, PullReply, PullRequest, Renew, recv_msg, send_msg
+from pdserve.kv.protocol import (Ack, ProtocolError, PullDone, PullReply, PullRequest, Renew, check_digests,
+                               recv_msg, send_msg)
 from pdserve.kv.stats import KVStats
-from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
-                                  choose_transport)
+from pdserve.kv.transport import NodeTransports, PeerAddress, PeerPool, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 

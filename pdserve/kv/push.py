@@ -37,14 +37,14 @@ from pdserve.kv.protocol import (
     PushBegin,
     PushDone,
     PushLayers,
+    check_digests,
     recv_msg,
     send_msg,
 )
 from pdserve.kv.prefix_hash import prompt_digest
 from pdserve.kv.stats import KVStats
 from pdserve.kv.tp_plan import Piece
-from pdserve.kv.transport import (NodeTransports, PeerAddress, PeerPool, Transport, check_digests,
-                                  choose_transport)
+from pdserve.kv.transport import NodeTransports, PeerAddress, PeerPool, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.transport.base import TCP_ONLY, PeerAddress, PeerPool, Transport
 from pdserve.registry import Registry
 
@@ -35,7 +34,7 @@ TRANSPORTS: Registry[Transport] = Registry("KV transport", {
 AUTO = "auto"
 
 __all__ = ["AUTO", "TCP_ONLY", "TRANSPORTS", "NodeTransports", "PeerAddress", "PeerPool", "Transport",
-           "available", "check_available", "check_digests", "choose_transport", "transport_class",
+           "available", "check_available", "choose_transport", "transport_class",
            "uses_shared_pool"]
 
 
@@ -100,15 +99,6 @@ class NodeTransports(dict[str, Transport]):
         for transport in self.values():
             transport.close()
         self.clear()  # a transfer engine's threads stop with its last reference
-
-
-def check_digests(ours: list[int], theirs: list[int] | None, peer: str) -> None:
-    """ProtocolError unless the peer's digests of a transfer equal ours (issue 39's verified handoff)."""
-    if theirs is None:
-        raise ProtocolError(f"the {peer} sent no digest of the KV it moved")
-    differ = sum(a != b for a, b in zip(ours, theirs)) + abs(len(ours) - len(theirs))
-    if differ:
-        raise ProtocolError(f"KV arrived corrupted: {differ} of {len(ours)} digests differ from the {peer}'s")
 
 
 def transport_class(name: str) -> type[Transport]:

@@ -9,7 +9,7 @@ import socket
 
 import torch
 
-from pdserve.kv.pool import KVPool
+from pdserve.kv.pool import KVPool, tensor_bytes
 from pdserve.kv.protocol import ProtocolError
 from pdserve.kv.tp_plan import Piece
 from pdserve.kv.transport.base import PeerPool, Transport
@@ -44,7 +44,7 @@ class TcpTransport(Transport):
         if pool.holds_all(piece.heads):
             return send_segments(conn, self.data[piece.rank], pool.segments(block_ids, layers))
         staged = pool.gather(block_ids, layers, piece.heads)
-        conn.sendall(_bytes(staged))
+        conn.sendall(tensor_bytes(staged))
         return staged.numel() * staged.element_size()
 
     def _recv(self, conn: socket.socket, piece: Piece, block_ids: list[int], layers: range) -> int:
@@ -53,13 +53,9 @@ class TcpTransport(Transport):
             return recv_segments(conn, self.data[piece.rank], pool.segments(block_ids, layers))
         shape = pool.heads_view(layers, piece.heads)[:, :, : len(block_ids)].shape
         staged = torch.empty(shape, dtype=pool.dtype)
-        nbytes = recv_segments(conn, _bytes(staged), [(0, staged.numel() * staged.element_size())])
+        nbytes = recv_segments(conn, tensor_bytes(staged), [(0, staged.numel() * staged.element_size())])
         pool.scatter(block_ids, layers, piece.heads, staged)
         return nbytes
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
 def _views(data: memoryview, segments: list[tuple[int, int]]) -> list[memoryview]:
