@@ -24,15 +24,16 @@ install: $(VENV)/bin/python
 		|| echo "pdserve: C++ kernels not built; decode attention runs torch SDPA"
 
 # The Mooncake Transfer Engine (pdserve[mooncake], in the test extras) loads Debian's RDMA and NUMA
-# libraries: installed here as root where apt-get is and they are missing (elsewhere the mooncake
-# transport's tests skip, saying why).
-MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
+# libraries, and the dashboard's browser test drives Debian's Chromium: installed here as root where
+# apt-get is and they are missing (elsewhere those tests skip, saying why).
+SYSTEM_DEBS := libibverbs1 librdmacm1 libnuma1 chromium
 APT := DEBIAN_FRONTEND=noninteractive apt-get -y -q
 
 sysdeps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && ! ldconfig -p 2> /dev/null | grep -q librdmacm.so.1; then \
-		$(APT) install $(MOONCAKE_DEBS) > /dev/null 2>&1 || ($(APT) update > /dev/null 2>&1 && \
-		$(APT) install $(MOONCAKE_DEBS) > /dev/null 2>&1) || echo "pdserve: could not install $(MOONCAKE_DEBS)"; fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+		missing=$$(for deb in $(SYSTEM_DEBS); do dpkg -s $$deb > /dev/null 2>&1 || echo $$deb; done); \
+		if [ -n "$$missing" ]; then $(APT) install $$missing > /dev/null 2>&1 || ($(APT) update > /dev/null 2>&1 && \
+		$(APT) install $$missing > /dev/null 2>&1) || echo "pdserve: could not install" $$missing; fi; fi
 
 install-test: $(VENV)/bin/python sysdeps
 	$(PIP) install -q -e '.[test]'

@@ -8,6 +8,8 @@ import os
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 OPEN_PATHS = ("/health", "/metrics", "/v1/kv/meta")  # kv/meta is keyed by an unguessable request id
+# The proxy's live page and its feed: timings and node load, as open as /metrics (no prompt, no answer)
+OPEN_PREFIXES = ("/dashboard",)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
@@ -23,7 +25,7 @@ class GuardMiddleware:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["path"].startswith(OPEN_PREFIXES):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None:

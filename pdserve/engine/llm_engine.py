@@ -94,6 +94,8 @@ class LLMEngine:
         self.connector, self.connector_worker = self._kv_connector()
         self.kv_events = KVEventLog(config.block_size)
         self.decode_steps = DecodeSteps()
+        self.busy_seconds = 0.0  # in steps that computed something: a node's utilisation (the dashboard's)
+        self._computed = False  # this step's batch was not empty
         self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
                                           self.kv_spec.group_windows)
@@ -326,7 +328,7 @@ class LLMEngine:
             num_running=len(s.running), num_waiting=len(s.waiting), num_loading=len(s.loading),
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_held=sum(self.block_manager.num_held(req) for req in s.held.values()),
-            kv=self.kv_stats.snapshot(), decode=self.decode_steps,
+            kv=self.kv_stats.snapshot(), decode=self.decode_steps, busy_seconds=self.busy_seconds,
         )
 
     # -- the loop -------------------------------------------------------------------------------
@@ -334,17 +336,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         outputs = self._step()
+        elapsed = time.perf_counter() - started
+        if self._computed:
+            self.busy_seconds += elapsed
         if self._decode_batch is not None:  # a step of decodes only: timed for the proxy's placement
             seqs, kv_tokens = self._decode_batch
             d = self.decode_steps
-            self.decode_steps = DecodeSteps(d.steps + 1, d.seconds + time.perf_counter() - started,
-                                            d.seqs + seqs, d.kv_tokens + kv_tokens)
+            self.decode_steps = DecodeSteps(d.steps + 1, d.seconds + elapsed, d.seqs + seqs, d.kv_tokens + kv_tokens)
         self.kv_events.close_batch()  # what this step filed in and dropped from the prefix cache
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
         scheduled = self.scheduler.schedule()
         batch = scheduled.scheduled
+        self._computed = bool(batch)
         self._decode_batch = ((len(batch), sum(s.request.num_tokens for s in batch))
                               if batch and all(is_decode(s) for s in batch) else None)
         return scheduled

@@ -38,6 +38,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_remote_tokens: int = 0  # prompt tokens whose KV was loaded from a prefill node
     kv_load_seconds: float = 0.0  # time spent waiting for remote KV
+    kv_bytes: int = 0  # the remote KV's bytes, as this end moved them
+    kv_transport: str | None = None  # the transport that moved them
     num_preemptions: int = 0
 
     @property
@@ -102,3 +104,4 @@ class EngineStats:
     kv_blocks_held: int = 0  # P: held for a decode node to pull
     kv: KVStatsSnapshot = field(default_factory=KVStatsSnapshot)  # transfer counters
     decode: DecodeSteps = field(default_factory=DecodeSteps)
+    busy_seconds: float = 0.0  # time in steps that computed something, since start

@@ -203,6 +203,7 @@ class Scheduler:
             if req is None:
                 continue
             req.metrics.kv_load_seconds = now - req.metrics.first_scheduled_time
+            req.metrics.kv_bytes, req.metrics.kv_transport = result.nbytes, result.transport
             params = req.kv_transfer_params
             first_token = first_token_from_prefill(params, result.first_token_id)
             req.kv_transfer_params = None  # loaded (or given up): never load twice

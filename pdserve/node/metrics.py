@@ -112,8 +112,11 @@ class _EngineCounters(Collector):
                                   value=s.holds_expired)
         yield CounterMetricFamily("pdserve:kv_remote_prompt_tokens", "Prompt tokens whose KV came from a P",
                                   value=s.remote_tokens)
+        stats = self.stats()
+        yield CounterMetricFamily("pdserve:engine_busy_seconds", "Time in engine steps that computed something "
+                                  "(its rate is the node's utilisation)", value=stats.busy_seconds)
         # Steps that only decoded: the proxy's auto mode prices decode batches by them (proxy/speed.py).
-        d = self.stats().decode
+        d = stats.decode
         yield CounterMetricFamily("pdserve:decode_steps", "Engine steps that only decoded", value=d.steps)
         yield CounterMetricFamily("pdserve:decode_step_seconds", "Time in decode-only steps", value=d.seconds)
         yield CounterMetricFamily("pdserve:decode_step_seqs", "Sequences in decode-only steps, summed", value=d.seqs)

@@ -205,7 +205,14 @@ class NodeServer:
             "x-pdserve-queue-ms": f"{((m.first_scheduled_time or m.arrival_time) - m.arrival_time) * 1e3:.3f}",
             "x-pdserve-kv-load-ms": f"{m.kv_load_seconds * 1e3:.3f}",
             "x-pdserve-ttft-ms": f"{(m.ttft or 0.0) * 1e3:.3f}",
+            # what the proxy's request records show (proxy/records.py)
+            "x-pdserve-prompt-tokens": str(len(first.prompt_token_ids)),
+            "x-pdserve-cached-tokens": str(m.num_cached_tokens),
+            "x-pdserve-remote-tokens": str(m.num_remote_tokens),
+            "x-pdserve-kv-bytes": str(m.kv_bytes),
         }
+        if m.kv_transport:
+            headers["x-pdserve-kv-transport"] = m.kv_transport
         outputs = _prepend(first, outputs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

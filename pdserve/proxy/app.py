@@ -11,10 +11,10 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
@@ -25,6 +25,7 @@ from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.proxy.client import NodeClient, NodeError
 from pdserve.proxy.config import ProxyConfig
+from pdserve.proxy.dashboard import Dashboard
 from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows import FLOWS, ClientRequest
 from pdserve.proxy.flows.base import sequences
@@ -33,6 +34,7 @@ from pdserve.proxy.membership import ROLE_FLAGS, DuplicateNode, Membership, Node
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, RoundRobin, select_decoder
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
+from pdserve.proxy.records import RecentRequests, RequestRecord, record_of
 from pdserve.proxy.timing import RequestTiming
 
 __all__ = ["Proxy", "ProxyConfig"]
@@ -82,13 +84,16 @@ class Proxy:
         self.flow = flow_cls(config, self.members, self.client, self.metrics, self.prefix_index)
         self.health = HealthPoller(self.members, self.client, self.nodes_file, config.health_interval_s,
                                    config.max_health_failures)
+        self.recent = RecentRequests(config.slos)
+        self.dashboard = Dashboard(config.mode, self.members, self.recent)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(_: FastAPI):
             async with self.client:
-                tasks = [asyncio.create_task(self.health.run()), asyncio.create_task(self.prefix_index.run())]
+                tasks = [asyncio.create_task(self.health.run()), asyncio.create_task(self.prefix_index.run()),
+                         asyncio.create_task(self.dashboard.run())]
                 try:
                     yield
                 finally:
@@ -98,6 +103,7 @@ class Proxy:
         app = FastAPI(title="pdserve proxy", lifespan=lifespan)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key)
         install_error_handlers(app)
+        app.include_router(self.dashboard.router())
 
         @app.exception_handler(NodeError)
         async def _node_error(_: Request, exc: NodeError):
@@ -216,8 +222,53 @@ class Proxy:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
                 return error_response(400, f"{name} must be an integer >= 1 (0 only with echo or prompt_logprobs), "
                                            f"got {value!r}", name)
-        req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival), parsed)
-        return await self.flow.serve(req)
+        req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival, arrival_unix=time.time()), parsed)
+        self.recent.start(self._record(req, "running"))
+        try:
+            response = await self.flow.serve(req)
+        except NodeError as exc:
+            self.recent.finish(self._record(req, "error", exc.status, _message(exc.body)))
+            raise
+        except NoHealthyNode as exc:
+            self.recent.finish(self._record(req, "error", 503, str(exc)))
+            raise
+        except asyncio.CancelledError:  # the client left before the answer began
+            self.recent.finish(self._record(req, "aborted", 499))
+            raise
+        except Exception as exc:
+            self.recent.finish(self._record(req, "error", 500, repr(exc)))
+            raise
+        response.headers["x-pdserve-request-id"] = req.request_id
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._recorded(response.body_iterator, req, response.status_code)
+        else:
+            self.recent.finish(self._record(req, "ok" if response.status_code == 200 else "error",
+                                            response.status_code))
+        return response
+
+    async def _recorded(self, chunks: AsyncIterator, req: ClientRequest, status: int) -> AsyncIterator:
+        """A streamed answer's bytes; its record is finished when the stream ends, however it ends."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            timing = req.timing
+            outcome = "ok" if timing.done is not None else "error" if timing.error else "aborted"
+            self.recent.finish(self._record(req, outcome, status if outcome != "aborted" else 499, timing.error))
+
+    def _record(self, req: ClientRequest, status: str, http_status: int | None = None,
+                error: str | None = None) -> RequestRecord:
+        return record_of(req.request_id, req.path, self.config.mode, bool(req.body.get("stream")), req.timing,
+                         status, http_status, error)
+
+
+def _message(body: Any) -> str:
+    """An OpenAI error body's message (a node's error, relayed)."""
+    try:
+        parsed = json.loads(body) if isinstance(body, (bytes, str)) else body
+        return str(parsed["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:500] if isinstance(body, bytes) else str(body)[:500]
 
 
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:

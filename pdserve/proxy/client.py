@@ -79,6 +79,12 @@ def header_seconds(response: httpx.Response, name: str) -> float:
         return 0.0
 
 
+def header_int(response: httpx.Response, name: str) -> int | None:
+    """A node's count header (`x-pdserve-prompt-tokens`), None when absent."""
+    value = response.headers.get(name)
+    return int(value) if value is not None and value.isdigit() else None
+
+
 def upstream_error(status: int, message: str) -> dict:
     return error_body(status, message, type_="upstream_error")
 

@@ -9,6 +9,7 @@ import logging
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proxy.client import NodeClient, NodeError
+from pdserve.proxy.cluster import NodeLoad
 from pdserve.proxy.membership import Membership, NodesFile
 from pdserve.proxy.policies import Node
 from pdserve.proxy.speed import DecodeWindow
@@ -47,6 +48,7 @@ class HealthPoller:
             node.kv_usage = used / total
         if text:  # a node restarted at the same URL may run another dtype
             node.engine = engine_info(text)
+            node.load = NodeLoad.read(text, node.load)
             node.speed.count_decode_steps(DecodeWindow(
                 int(sample(text, "pdserve:decode_steps_total")), sample(text, "pdserve:decode_step_seconds_total"),
                 int(sample(text, "pdserve:decode_step_seqs_total")),

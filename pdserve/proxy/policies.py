@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.config import prefill_cap_label
+from pdserve.proxy.cluster import NodeLoad
 from pdserve.proxy.speed import NodeSpeed
 from pdserve.registry import Registry
 
@@ -35,6 +36,7 @@ class Node:
     # auto mode: when the streams placed here are predicted to have finished (monotonic s); a node
     # whose prefill and decode take turns starts no prompt before then
     streams_until: float = 0.0
+    load: NodeLoad | None = None  # its latest metrics, for the dashboard (proxy/cluster.py)
 
     @property
     def takes_turns(self) -> bool:

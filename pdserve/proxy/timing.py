@@ -10,6 +10,18 @@ class RequestTiming:
     """Proxy-side timestamps plus the stage split the nodes report in their headers."""
 
     arrival: float
+    arrival_unix: float = 0.0  # the same moment on the wall clock (the dashboard's time axis)
+    prefill_node: str | None = None  # the P that prefilled (None: the answering node did)
+    decode_node: str | None = None  # the node that answered (D, or a colocated node)
+    decode_sent: float | None = None  # when the answering node was asked
+    decode_queue_s: float = 0.0  # D's own queue before it scheduled the request (its x-pdserve-queue-ms)
+    prompt_tokens: int | None = None  # as the node that computed the prompt counted them
+    cached_tokens: int | None = None  # of those, from its prefix cache
+    kv_tokens: int = 0  # prompt tokens whose KV D received from P
+    kv_bytes: int = 0
+    kv_transport: str | None = None
+    error: str | None = None  # why the answer failed mid-stream
+    output_chunks: int = 0  # streamed: SSE events relayed, [DONE] and a usage-only event not counted
     prefill_done: float | None = None
     node_queue_s: float = 0.0  # time in P's waiting queue (P's x-pdserve-queue-ms)
     prefill_s: float = 0.0  # P's prefill after its queue (colocated: the node's TTFT after its queue)

@@ -11,8 +11,9 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
 
 import httpx
@@ -20,7 +21,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.params import KVTransferParams
-from pdserve.proxy.client import NodeClient, NodeError, discard, header_seconds, unreachable, upstream_error
+from pdserve.proxy.client import (NodeClient, NodeError, discard, header_int, header_seconds, unreachable,
+                                  upstream_error)
 from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.echo import PromptPart, for_decode, for_prefill, reports_prompt
 from pdserve.proxy.membership import ROLE_FLAGS, ROLE_NAMES, Membership
@@ -47,6 +49,20 @@ class ClientRequest:
     timing: RequestTiming
     parsed: CompletionRequest | ChatCompletionRequest | None = None  # the body as validated (auto mode tokenizes it)
     prompt_part: PromptPart | None = None  # echo / prompt logprobs from P, put before D's answer (proxy/echo.py)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its record's id (x-pdserve-request-id)
+
+
+def read_node_report(response: httpx.Response, timing: RequestTiming) -> None:
+    """What the answering node says of the request, for its record (proxy/records.py): the prompt
+    (where no P computed it), its own queue, and the KV it received."""
+    if timing.prefill_node is None:
+        timing.prompt_tokens = header_int(response, "x-pdserve-prompt-tokens")
+        timing.cached_tokens = header_int(response, "x-pdserve-cached-tokens")
+    else:
+        timing.decode_queue_s = header_seconds(response, "x-pdserve-queue-ms")
+    timing.kv_tokens = header_int(response, "x-pdserve-remote-tokens") or 0
+    timing.kv_bytes = header_int(response, "x-pdserve-kv-bytes") or 0
+    timing.kv_transport = response.headers.get("x-pdserve-kv-transport")
 
 
 def sequences(body: dict[str, Any]) -> int:
@@ -141,7 +157,10 @@ class Flow(ABC):
             node.end(req.tokens, ok=response is not None and response.status_code == 200)
         timing = req.timing
         timing.prefill_done = time.perf_counter()
+        timing.prefill_node = node.url
         timing.node_queue_s = header_seconds(response, "x-pdserve-queue-ms")
+        timing.prompt_tokens = header_int(response, "x-pdserve-prompt-tokens")
+        timing.cached_tokens = header_int(response, "x-pdserve-cached-tokens")
         timing.prefill_s = max(timing.prefill_done - timing.arrival - timing.node_queue_s, 0.0)
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
@@ -182,6 +201,7 @@ class Flow(ABC):
         if "kv_transfer_params" in body and reports_prompt(body):
             body = for_decode(body)  # D computes no prompt: P reports it
         node.begin(req.tokens)
+        req.timing.decode_node, req.timing.decode_sent = node.url, time.perf_counter()
         return self.client.start(node, req.path, body)
 
     async def answer(self, node: Node, answer: asyncio.Future, req: ClientRequest) -> Response:
@@ -192,6 +212,7 @@ class Flow(ABC):
             node.end(req.tokens, ok=False)
             raise
         self.split_stages(response, req.timing)
+        read_node_report(response, req.timing)
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
@@ -223,6 +244,8 @@ class Flow(ABC):
         """The node's SSE bytes, passed on as they come; closing either side closes the other. If the
         node fails mid-stream the client gets an SSE error event and `[DONE]`, not a cut connection."""
         ok, tail, timing = True, b"", req.timing
+        usage_event = bool((req.body.get("stream_options") or {}).get("include_usage"))
+        events = 0  # SSE events relayed: each ends with a blank line (the carried byte finds one split in two)
         # Under an ITL SLO (auto mode's cost rule reads it), each stream's longest gap as the proxy sees it
         itl_s = (self.config.slos or {}).get("max_itl_ms", 0.0) / 1e3 or None
         try:
@@ -241,10 +264,15 @@ class Flow(ABC):
                             timing.past_itl = True
                             node.streams_past_itl += 1
                     timing.last_byte = now
+                    events += (tail[-1:] + chunk).count(b"\n\n")
+                    timing.output_chunks = max(events - usage_event, 0)
                     tail = (tail + chunk)[-len(SSE_END):]
                     yield chunk
+                if tail == SSE_END:  # [DONE] is not an answer's chunk
+                    timing.output_chunks = max(events - 1 - usage_event, 0)
             except httpx.HTTPError as exc:
                 ok = False
+                timing.error = f"{node.role} node {node.url} failed mid-stream: {exc or type(exc).__name__}"
                 logger.warning("%s node %s failed mid-stream: %r", node.role, node.url, exc)
                 event = upstream_error(502, f"{node.role} node {node.url} failed mid-stream: {exc or type(exc).__name__}")
                 yield (b"" if not tail or tail.endswith(b"\n\n") else b"\n\n") + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()

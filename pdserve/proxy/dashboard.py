@@ -1,0 +1,123 @@
+"""The live cluster page and the API behind it.
+
+- `GET /dashboard`: the page (static files in proxy/static: plain SVG, no build step, no CDN);
+- `GET /dashboard/events`: server-sent events, one snapshot a second (nodes, the last minutes'
+  percentiles and goodput, their history, the recent requests);
+- `GET /v1/requests/recent`, `GET /v1/requests/{id}`: the typed request records (proxy/records.py).
+
+Everything is aggregated here, once a second, whoever watches: the page only draws.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from importlib.resources import files
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import APIRouter, Query
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from pdserve.api.errors import error_response
+from pdserve.proxy.records import RecentRequests, RequestRecord
+
+if TYPE_CHECKING:
+    from pdserve.proxy.membership import Membership
+    from pdserve.proxy.policies import Node
+
+TICK_S = 1.0  # the page's update period
+HISTORY_POINTS = 300  # one a tick: the last five minutes' curves
+PAGE_ROWS = 60  # requests each update carries
+STATIC = files("pdserve.proxy") / "static"
+MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+
+
+class RecentList(BaseModel):
+    requests: list[RequestRecord]
+
+
+class Dashboard:
+    """Keeps the last minutes' history (a point per tick) and serves the page and its feed."""
+
+    def __init__(self, mode: str, members: Membership, recent: RecentRequests) -> None:
+        self.mode, self.members, self.recent = mode, members, recent
+        self.history: deque[dict] = deque(maxlen=HISTORY_POINTS)
+        self.snapshot: dict = {}
+        self._changed = asyncio.Event()
+
+    async def run(self) -> None:
+        """The proxy's background task: a snapshot a tick, announced to every open page."""
+        while True:
+            self.tick()
+            self._changed.set()
+            self._changed = asyncio.Event()
+            await asyncio.sleep(TICK_S)
+
+    def tick(self) -> dict:
+        window = self.recent.window()
+        nodes = [describe_node(n) for n in self.members.nodes()]
+        point = {"t": time.time(), "throughput_rps": window["throughput_rps"], "goodput_rps": window["goodput_rps"]}
+        for name in ("ttft_ms", "tpot_ms", "max_itl_ms"):
+            point[name] = {q: round(v, 3) for q, v in window[name].items()} if window[name] else None
+        for role in ("prefill", "decode", "both", "kv_both"):
+            loads = [n["load"].get("utilisation") for n in nodes if n["role"] == role and n["load"]]
+            loads = [u for u in loads if u is not None]
+            if loads:
+                point[f"utilisation_{role}"] = round(sum(loads) / len(loads), 4)
+        self.history.append(point)
+        self.snapshot = {"t": point["t"], "mode": self.mode, "nodes": nodes, "window": window,
+                         "history": list(self.history),
+                         "requests": [r.model_dump(mode="json") for r in self.recent.recent(PAGE_ROWS)]}
+        return self.snapshot
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """SSE: the current snapshot at once, then each new one."""
+        while True:
+            changed = self._changed
+            if self.snapshot:
+                yield f"event: snapshot\ndata: {json.dumps(self.snapshot)}\n\n".encode()
+            await changed.wait()
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+
+        @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+        async def page():
+            return HTMLResponse((STATIC / "dashboard.html").read_text())
+
+        @router.get("/dashboard/static/{name}", include_in_schema=False)
+        async def static(name: str):
+            suffix = name[name.rfind("."):]
+            asset = STATIC / name
+            if "/" in name or suffix not in MEDIA_TYPES or not asset.is_file():
+                return error_response(404, f"no dashboard file {name!r}", "name")
+            return Response(asset.read_bytes(), media_type=MEDIA_TYPES[suffix])
+
+        @router.get("/dashboard/events", include_in_schema=False)
+        async def events():
+            return StreamingResponse(self.events(), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+
+        @router.get("/v1/requests/recent", response_model=RecentList)
+        async def recent(limit: int = Query(100, ge=1, le=2000)):
+            """The newest requests first: those in flight, then the finished ones (the last 2000 kept)."""
+            return RecentList(requests=self.recent.recent(limit))
+
+        @router.get("/v1/requests/{request_id}", response_model=RequestRecord)
+        async def one(request_id: str):
+            """One request's record, by the id in its answer's x-pdserve-request-id header."""
+            record = self.recent.get(request_id)
+            if record is None:
+                return error_response(404, f"no recent request {request_id!r} (the last 2000 are kept)",
+                                      "request_id")
+            return record
+
+        return router
+
+
+def describe_node(node: Node) -> dict:
+    return {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
+            "engine": dict(node.engine), "load": node.load.describe() if node.load is not None else {}}
