@@ -48,6 +48,7 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
                 return result
             result.stages_ms = stage_headers(response.headers)
             result.placement = response.headers.get("x-pdserve-placement", "")
+            result.request_id = response.headers.get("x-pdserve-request-id", "")
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
@@ -85,6 +86,21 @@ async def send_one(client: httpx.AsyncClient, url: str, endpoint: str, model: st
     return result
 
 
+async def fetch_trace(client: httpx.AsyncClient, url: str, result: RequestResult) -> dict:
+    """The proxy's record of a request (GET /v1/requests/{id}) beside what the client measured;
+    None where the server keeps none (not a pdserve proxy)."""
+    record = None
+    if result.request_id:
+        try:
+            response = await client.get(f"{url}/v1/requests/{result.request_id}")
+            record = response.json() if response.status_code == 200 else None
+        except httpx.HTTPError:
+            pass
+    client_view = {"ok": result.ok, "error": result.error, "start_s": result.start, "ttft_ms": result.ttft_ms,
+                   "e2el_ms": result.e2el_ms, "output_len": result.output_len, "max_itl_ms": result.max_itl_ms}
+    return {"request_id": result.request_id or None, "client": client_view, "record": record}
+
+
 def stage_headers(headers: httpx.Headers) -> dict[str, float]:
     """`x-pdserve-queue-ms: 12.5` -> {"queue": 12.5}: where a pdserve request's time went."""
     out = {}
@@ -99,11 +115,13 @@ def stage_headers(headers: httpx.Headers) -> dict[str, float]:
 
 async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, model: str | None, rate: float,
                         burstiness: float, max_concurrency: int | None, seed: int, show_progress: bool = True,
-                        answer_ids: Callable[[str], list[int]] | None = None) -> tuple[list[RequestResult], float]:
+                        answer_ids: Callable[[str], list[int]] | None = None,
+                        traces: list[dict] | None = None) -> tuple[list[RequestResult], float]:
     """Send the requests at the rate; a conversation's turns (multiturn) go one after another, each
     after the previous answer and its think time, and the conversations arrive at the rate. A turn's
     prompt is the conversation so far (earlier turns and the answers, as `answer_ids` tokenizes
-    them) followed by what the turn adds."""
+    them) followed by what the turn adds. `traces`: each answered request's record, fetched from a
+    pdserve proxy as soon as it ends (its ring keeps the last 2000), appended with the client's view."""
     sessions = conversations(requests)
     gaps = arrival_gaps(len(sessions), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -118,6 +136,8 @@ async def run_benchmark(url: str, requests: list[BenchRequest], endpoint: str, m
                 async with limit:
                     res = await send_one(client, url, endpoint, model, req, t0)
             bar.update(1)
+            if traces is not None:
+                traces.append(await fetch_trace(client, url, res))
             return res
 
         async def session(turns: list[BenchRequest]) -> list[RequestResult]:
@@ -228,10 +248,18 @@ def server_engines(url: str) -> list[dict]:
 def main(args) -> int:
     """Entry point of `pdserve bench` (arguments parsed by pdserve.cli)."""
     slos, rate, requests = workload_from_args(args)
+    traces: list[dict] | None = [] if args.trace_out else None
     results, duration = asyncio.run(run_benchmark(args.base_url.rstrip("/"), requests, args.endpoint, args.model,
                                                   rate, args.burstiness, args.max_concurrency, args.seed,
                                                   answer_ids=answer_tokenizer(args.tokenizer)
-                                                  if any(r.conversation is not None for r in requests) else None))
+                                                  if any(r.conversation is not None for r in requests) else None,
+                                                  traces=traces))
+    if traces is not None:
+        Path(args.trace_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.trace_out).write_text(json.dumps({"base_url": args.base_url, "requests": traces}, indent=1))
+        kept = sum(t["record"] is not None for t in traces)
+        print(f"{kept} of {len(traces)} request records written to {args.trace_out}"
+              + ("" if kept else " (the server keeps none: a pdserve proxy does)"))
     summary = summarize(results, duration, slos)
     summary["engines"] = server_engines(args.base_url.rstrip("/"))
     summary.update({"base_url": args.base_url, "endpoint": args.endpoint, "max_concurrency": args.max_concurrency})

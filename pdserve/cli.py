@@ -685,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-concurrency", type=int, default=None)
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--plot", default=None, help="write TTFT / TPOT CDFs as a PNG here (needs matplotlib)")
+    bench.add_argument("--trace-out", default=None, metavar="FILE",
+                       help="write each request's record as a pdserve proxy kept it (GET /v1/requests/{id}: stages, "
+                            "nodes, KV moved) beside the client's timings, as JSON")
     bench.set_defaults(func=cmd_bench)
     return parser
 

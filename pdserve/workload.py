@@ -43,6 +43,7 @@ class RequestResult:
     placement: str = ""  # pdserve's auto mode: where the prompt was prefilled (x-pdserve-placement)
     text: str = ""  # the answer (multiturn puts it into the conversation's next prompt)
     longest_gap_ms: float | None = None  # set where itls_ms is not kept (the simulator's planner runs)
+    request_id: str = ""  # a pdserve proxy's record of it (x-pdserve-request-id)
 
     @property
     def tpot_ms(self) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -134,6 +136,23 @@ def test_a_failed_request_is_recorded_with_the_nodes_error(cluster):
     assert r.status_code == 400
     failed = httpx.get(f"{proxy}/v1/requests/recent", params={"limit": 1}).json()["requests"][0]
     assert failed["status"] == "error" and failed["http_status"] == 400 and "context" in failed["error"]
+
+
+def test_bench_trace_out_saves_the_proxys_records_beside_the_clients_timings(cluster, tmp_path):
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "--base-url", cluster["proxy"].url, "--dataset", "random",
+         "--input-len", "40", "--output-len", "6", "--num-prompts", "3", "--request-rate", "inf",
+         "--trace-out", str(trace)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"3 of 3 request records written to {trace}" in proc.stdout
+    saved = json.loads(trace.read_text())["requests"]
+    assert len({t["request_id"] for t in saved}) == 3
+    for t in saved:
+        record, client = t["record"], t["client"]
+        assert record["id"] == t["request_id"] and record["status"] == "ok" and client["ok"]
+        assert record["prompt_tokens"] == 40 and record["transfer"]["tokens"] == 40
+        assert record["ttft_ms"] <= client["ttft_ms"] and record["e2e_ms"] <= client["e2el_ms"]  # inside its view
 
 
 def test_the_feed_pushes_a_snapshot_a_second_with_the_nodes_load(cluster):
