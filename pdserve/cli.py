@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from pdserve import tracing
 from pdserve.kv.transport import AUTO, TRANSPORTS
 from pdserve.models.locate import DEFAULT_MODEL, PACKAGED_MODELS
 from pdserve.proxy.flows import FLOWS
@@ -163,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.node.metrics import NodeMetrics
     from pdserve.node.server import NodeServer
 
+    tracing.setup(f"pdserve-{args.role}", args.otlp_endpoint)
     start = time.perf_counter()
     # The composition root: the engine on a thread of this process, behind its client.
     client = ThreadedEngineClient(LLMEngine(engine_config_from_args(args)))
@@ -186,6 +188,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from pdserve.proxy.app import Proxy, ProxyConfig
     from pdserve.workload import parse_goodput
 
+    tracing.setup("pdserve-proxy", args.otlp_endpoint)
     meta_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     meta_url = args.meta_url or f"http://{meta_host}:{args.port}/v1/kv/meta"
     model_dir = None
@@ -492,6 +495,9 @@ def add_guard_args(parser: argparse.ArgumentParser) -> None:
                         help="require Authorization: Bearer <key> on the API (default: $PDSERVE_API_KEY)")
     parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
                         help="answer 429 (Retry-After) once N requests are waiting")
+    parser.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                        help="export OpenTelemetry traces to this OTLP/HTTP collector (default: "
+                             "$OTEL_EXPORTER_OTLP_ENDPOINT; neither: tracing off). Needs pdserve[otel]")
 
 
 def build_parser() -> argparse.ArgumentParser:

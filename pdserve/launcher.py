@@ -118,13 +118,14 @@ def proxy_command(args, model_dir: str, host: str) -> list[str]:
     command = ["proxy", "--host", host, "--port", str(args.port), "--policy", args.policy, "--log-level", args.log_level]
     if args.max_waiting is not None:
         command += ["--max-waiting", str(args.max_waiting)]
+    if args.slo:  # auto's placements keep to them; in every mode the dashboard's goodput counts by them
+        command += ["--slo", *args.slo]
     if args.colocated:
         return command + ["--mode", "colocated"]
     if args.mode == "auto":
         return command + ["--mode", "auto", "--profile", args.profile, "--model", model_dir,
                           "--stall-weight", str(args.stall_weight), "--placement", args.placement,
-                          "--remote-prefill-threshold", str(args.remote_prefill_threshold),
-                          *(["--slo", *args.slo] if args.slo else [])]
+                          "--remote-prefill-threshold", str(args.remote_prefill_threshold)]
     return command + ["--mode", args.mode]
 
 
@@ -161,7 +162,7 @@ def run_up(args) -> int:
                                            *node_command(args, model_dir, role)], pinned, role)
         for i, (role, pinned) in enumerate(zip(roles, cores))
     ]
-    cluster = ProcessGroup(cluster_env(args.api_key))  # with an API key every node and the proxy require it
+    cluster = ProcessGroup(cluster_env(args.api_key, args.otlp_endpoint))  # with an API key every node and the proxy require it
     stop = StopSignal()
     try:
         shape = ({"both": f"{len(roles)} colocated", "kv_both": f"{len(roles)} kv_both"}.get(roles[0])

@@ -48,12 +48,15 @@ def up_child(args: list[str] | tuple[str, ...], **kwargs) -> Child:
     return Child("up", ["up", "--port", str(port), *args], f"http://127.0.0.1:{port}", **kwargs)
 
 
-def cluster_env(api_key: str | None = None) -> dict[str, str]:
+def cluster_env(api_key: str | None = None, otlp_endpoint: str | None = None) -> dict[str, str]:
     """The environment of one cluster's processes: a fresh KV secret shared by its nodes (in the
-    environment, not argv, which any local user can read in ps), and the API key if there is one."""
+    environment, not argv, which any local user can read in ps), the API key if there is one, and
+    the trace collector every process exports to (pdserve/tracing.py), if one is named."""
     env = {**os.environ, SECRET_ENV: secrets.token_hex(32)}
     if api_key:
         env[API_KEY_ENV] = api_key
+    if otlp_endpoint:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     return env
 
 

@@ -211,6 +211,7 @@ class KVConnectorScheduler:
                 first_block=first,
                 prompt_token_ids=req.prompt_token_ids,
                 remote_engine_id=params.remote_engine_id,
+                traceparent=params.traceparent,
             )
         )
 
@@ -248,7 +249,8 @@ class KVConnectorScheduler:
             if progress is None:
                 target = PushTarget(params.remote_request_id, split_tables(params.remote_block_ids, self.num_groups),
                                     params.remote_first_block, params.remote_host, params.remote_port,
-                                    tuple(params.remote_transports or ()), needed, req.prompt_token_ids)
+                                    tuple(params.remote_transports or ()), needed, req.prompt_token_ids,
+                                    params.traceparent)
                 progress = self._pushing[req.request_id] = PushProgress(target, params.remote_first_block)
             # D needs the KV of tokens [0, needed); the last, partly filled block is sent again
             # with the next chunk, so that every chunk's tokens land.

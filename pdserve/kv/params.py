@@ -55,6 +55,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     # whole prompt and end the push with the first output token P sampled, which D decodes from.
     send_first_token: bool | None = None
     tp_size: int = 1
+    # W3C trace context of the node's request span (pdserve/tracing.py; set by the node itself when
+    # tracing is on): the side channel carries it on, so the transfer's spans join the request's trace.
+    traceparent: str | None = None
 
     @property
     def is_push(self) -> bool:

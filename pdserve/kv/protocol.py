@@ -73,6 +73,7 @@ class PullRequest(msgspec.Struct, tag=True):
     tokens_digest: int | None = None
     engine_id: str | None = None
     want_digests: bool = False  # D checks the bytes: P's final Ack carries its blocks' digests
+    traceparent: str | None = None  # D's kv.pull span (tracing on): P's serving span is its child
 
 
 class PullReply(msgspec.Struct, tag=True):
@@ -117,6 +118,7 @@ class PushBegin(msgspec.Struct, tag=True):
     # D refuses the session unless its request is of the same prompt and needs as many tokens.
     num_tokens: int = 0
     tokens_digest: int | None = None
+    traceparent: str | None = None  # P's kv.push span (tracing on): D's receiving span is its child
 
 
 class PushLayers(msgspec.Struct, tag=True):

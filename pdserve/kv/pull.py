@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pdserve import tracing
 from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox, TransferResult
@@ -62,8 +63,12 @@ class KVSender:
             send_msg(conn, PullReply(ok=False, error=error))
             return
         transport, plan = serving
-        done = False
+        done, sent = False, 0
         pools = self.transports
+        span = None
+        if tracing.enabled() and req.traceparent:
+            span = tracing.start("kv.serve_pull", req.traceparent,
+                                 tracing.transfer_attributes(req.block_ids, transport.name))
         try:
             start = time.perf_counter()
             send_msg(conn, PullReply(ok=True, pool_num_blocks=pools.pool.num_blocks, tp_size=pools.tp_size,
@@ -77,6 +82,8 @@ class KVSender:
             digests = pools.digests(plan, runs, req.block_ids) if done and req.want_digests else None
         finally:
             self.held.unpin(req.request_id, done)
+            if span is not None:
+                tracing.end(span, attributes={"pdserve.kv.bytes": sent}, error=None if done else "D did not finish")
         if done:
             self.stats.add_sent(sent, time.perf_counter() - start, transport.name)
             send_msg(conn, Ack(digests=digests))
@@ -102,6 +109,7 @@ class LoadSpec:
     # P checks; computed on the load thread, never on the engine's (nor in the simulator).
     prompt_token_ids: list[int] | None = None
     remote_engine_id: str | None = None  # the P engine that prefilled them
+    traceparent: str | None = None  # D's request span (tracing on): the pull's span is its child
 
 
 class KVReceiver:
@@ -123,27 +131,34 @@ class KVReceiver:
 
     def _load(self, spec: LoadSpec) -> None:
         name = choose_transport(self.transport, PeerAddress(spec.remote_host, spec.remote_transports))
+        span = None
+        if tracing.enabled():
+            span = tracing.start("kv.pull", spec.traceparent, tracing.transfer_attributes(spec.remote_block_ids, name))
         start = time.perf_counter()
         try:
-            nbytes = self._pull(spec, self.transports[name])
+            nbytes = self._pull(spec, self.transports[name], span and tracing.traceparent_of(span))
         except Exception as exc:  # noqa: BLE001 - any failure is reported, never raised on a pool thread
             logger.warning("KV load of %s from %s:%s failed: %s", spec.request_id, spec.remote_host, spec.remote_port, exc)
             self.stats.add_failed()
             self.inbox.put(TransferResult(spec.request_id, f"{type(exc).__name__}: {exc}", "pull", name))
+            if span is not None:
+                tracing.end(span, error=f"{type(exc).__name__}: {exc}")
             return
         finally:
             self._untrack(spec)  # loaded or failed: the hold needs no more renewing
         seconds = time.perf_counter() - start
         self.stats.add_received(nbytes, seconds, name)
         self.inbox.put(TransferResult(spec.request_id, None, "pull", name, seconds, nbytes))
+        if span is not None:
+            tracing.end(span, attributes={"pdserve.kv.bytes": nbytes})
 
-    def _pull(self, spec: LoadSpec, transport: Transport) -> int:
+    def _pull(self, spec: LoadSpec, transport: Transport, traceparent: str | None = None) -> int:
         with connect(spec.remote_host, spec.remote_port, self.timeout_s, self.secret) as sock:
             pools = self.transports
             digest = None if spec.prompt_token_ids is None else prompt_digest(spec.prompt_token_ids, spec.num_tokens)
             send_msg(sock, PullRequest(spec.remote_request_id, spec.remote_block_ids, transport.name, pools.pool.layout,
                                        pools.tp_size, spec.num_tokens, spec.first_block, digest,
-                                       spec.remote_engine_id, self.verify_digests))
+                                       spec.remote_engine_id, self.verify_digests, traceparent))
             reply = recv_msg(sock)
             if not isinstance(reply, PullReply) or not reply.ok:
                 raise ProtocolError(getattr(reply, "error", None) or "unexpected reply")

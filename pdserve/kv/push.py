@@ -28,7 +28,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from pdserve import tracing
 from pdserve.kv.channel import SideChannelServer, connect
 from pdserve.kv.inbox import TransferInbox, TransferResult
 from pdserve.kv.protocol import (
@@ -61,6 +63,7 @@ class PushTarget:
     transports: tuple[str, ...] = ()  # those D serves (none named: tcp)
     num_tokens: int = 0  # the prompt tokens whose KV P pushes, of this prompt (D checks PushBegin's digest)
     prompt_token_ids: list[int] | None = None
+    traceparent: str | None = None  # P's request span (tracing on): the push's span is its child
 
 
 @dataclass
@@ -94,6 +97,12 @@ class _Session:
     started: float = field(default_factory=time.perf_counter)
     want_digests: bool = False  # D asked for the pushed blocks' digests at the end
     src_tables: list[dict[int, None]] = field(default_factory=list)  # P's blocks pushed, per group, in order
+    span: Any = None  # tracing on: the push's span, ended with the session
+
+    def end_span(self, error: str | None = None) -> None:
+        if self.span is not None:
+            tracing.end(self.span, attributes={"pdserve.kv.bytes": self.nbytes}, error=error)
+            self.span = None
 
 
 class PushSender:
@@ -176,11 +185,15 @@ class PushSender:
     def _open(self, session: _Session) -> None:
         target = session.target
         transport = self.transports[choose_transport(self.transport, PeerAddress(target.host, target.transports))]
+        if tracing.enabled():
+            session.span = tracing.start("kv.push", target.traceparent,
+                                         tracing.transfer_attributes(target.block_ids, transport.name))
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
         digest = None if target.prompt_token_ids is None else prompt_digest(target.prompt_token_ids, target.num_tokens)
         send_msg(sock, PushBegin(target.request_id, transport.name, self.transports.pool.layout,
-                                 self.transports.tp_size, target.num_tokens, digest))
+                                 self.transports.tp_size, target.num_tokens, digest,
+                                 session.span and tracing.traceparent_of(session.span)))
         reply = recv_msg(sock)
         if not isinstance(reply, Ack) or not reply.ok:
             raise ProtocolError(getattr(reply, "error", None) or "push refused")
@@ -246,6 +259,7 @@ class PushSender:
         except (OSError, ProtocolError) as exc:
             logger.warning("ending push session failed: %s", exc)
         finally:
+            session.end_span(None if ok else error or "push abandoned")
             if session.sock is not None:
                 session.sock.close()
                 session.sock = None
@@ -257,6 +271,7 @@ class PushSender:
             self.stats.add_failed()
             with self._failed_lock:
                 self._failed.append((request_id, error))
+            session.end_span(error)
             if session.sock is not None:
                 session.sock.close()  # D learns it at once, and knows nothing writes any more
                 session.sock = None
@@ -357,6 +372,9 @@ class PushReceiver:
             return
         transport, plan = claim
         start, nbytes, error, first_token = time.perf_counter(), 0, None, None
+        span = None
+        if tracing.enabled() and begin.traceparent:
+            span = tracing.start("kv.receive_push", begin.traceparent, {"pdserve.kv.transport": transport.name})
         try:
             # The accept carries our pools' size, our TP size (the plan) and the transport's
             # handshake (shm: our segments, which the pusher maps).
@@ -394,6 +412,8 @@ class PushReceiver:
                 pass
         with self._lock:
             self._expected.pop(rid, None)
+        if span is not None:
+            tracing.end(span, attributes={"pdserve.kv.bytes": nbytes}, error=error)
         if error is None:
             seconds = time.perf_counter() - start
             self.stats.add_received(nbytes, seconds, transport.name)

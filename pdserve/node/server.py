@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from pdserve import tracing
 from pdserve.api.errors import APIError, error_response, install_error_handlers, too_busy
 from pdserve.api.guards import DEFAULT_MAX_BODY_BYTES, GuardMiddleware, overloaded
 from pdserve.api.http import finished_before_disconnect
@@ -34,6 +35,7 @@ from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.kv.params import wants_remote_prefill
 from pdserve.node.openai_logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from pdserve.node.metrics import NodeMetrics
+from pdserve.node.spans import traced
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -192,13 +194,23 @@ class NodeServer:
         if overloaded(waiting, self.max_waiting):
             return too_busy(waiting)
         answer = AnswerShape(chat, echo, body.prompt_logprobs is not None, tools)
+        span = None
+        if tracing.enabled():  # the request's span; a KV transfer's spans are its children
+            span = tracing.start("node.request", tracing.incoming(raw.headers),
+                                 {"pdserve.request_id": request_id, "pdserve.prompt_tokens": len(prompt_ids)},
+                                 server=True)
+            if checked.kv_transfer_params is not None:
+                checked.kv_transfer_params.traceparent = tracing.traceparent_of(span)
         outputs = self.engine.generate(request_id, checked)
+        if span is not None:
+            outputs = traced(outputs, span)
         # Wait for the first output before answering: a failed KV load still gets a proper HTTP
         # error, and the stage timings can go into the response headers.
         first = await self._next_or_disconnect(raw, outputs)
         if first is None:
             return Response(status_code=499)  # the client left; the request was aborted
         if first.error is not None:
+            await outputs.aclose()
             raise APIError(502, first.error, type_="kv_transfer_error")
         m = first.metrics
         headers = {

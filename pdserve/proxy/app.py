@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from pdserve import tracing
 from pdserve.api.errors import error_response, install_error_handlers, too_busy
 from pdserve.api.guards import GuardMiddleware, overloaded
 from pdserve.api.http import finished_before_disconnect
@@ -223,27 +224,30 @@ class Proxy:
                 return error_response(400, f"{name} must be an integer >= 1 (0 only with echo or prompt_logprobs), "
                                            f"got {value!r}", name)
         req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival, arrival_unix=time.time()), parsed)
+        if tracing.enabled():
+            req.span = tracing.start("pdserve.request", tracing.incoming(raw.headers), start_s=arrival, server=True,
+                                     attributes={"pdserve.request_id": req.request_id, "pdserve.mode": self.config.mode,
+                                                 "http.route": path})
         self.recent.start(self._record(req, "running"))
         try:
             response = await self.flow.serve(req)
         except NodeError as exc:
-            self.recent.finish(self._record(req, "error", exc.status, _message(exc.body)))
+            self._finish(req, "error", exc.status, _message(exc.body))
             raise
         except NoHealthyNode as exc:
-            self.recent.finish(self._record(req, "error", 503, str(exc)))
+            self._finish(req, "error", 503, str(exc))
             raise
         except asyncio.CancelledError:  # the client left before the answer began
-            self.recent.finish(self._record(req, "aborted", 499))
+            self._finish(req, "aborted", 499)
             raise
         except Exception as exc:
-            self.recent.finish(self._record(req, "error", 500, repr(exc)))
+            self._finish(req, "error", 500, repr(exc))
             raise
         response.headers["x-pdserve-request-id"] = req.request_id
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._recorded(response.body_iterator, req, response.status_code)
         else:
-            self.recent.finish(self._record(req, "ok" if response.status_code == 200 else "error",
-                                            response.status_code))
+            self._finish(req, "ok" if response.status_code == 200 else "error", response.status_code)
         return response
 
     async def _recorded(self, chunks: AsyncIterator, req: ClientRequest, status: int) -> AsyncIterator:
@@ -254,7 +258,21 @@ class Proxy:
         finally:
             timing = req.timing
             outcome = "ok" if timing.done is not None else "error" if timing.error else "aborted"
-            self.recent.finish(self._record(req, outcome, status if outcome != "aborted" else 499, timing.error))
+            self._finish(req, outcome, status if outcome != "aborted" else 499, timing.error)
+
+    def _finish(self, req: ClientRequest, status: str, http_status: int | None = None,
+                error: str | None = None) -> None:
+        """The request has ended: its record joins the finished ones, its spans end."""
+        record = self._record(req, status, http_status, error)
+        self.recent.finish(record)
+        if req.span is not None:
+            for span in req.open_spans:
+                tracing.end(span)
+            tracing.end(req.span, attributes={"pdserve.status": status, "http.status_code": http_status,
+                                              "pdserve.ttft_ms": record.ttft_ms, "pdserve.e2e_ms": record.e2e_ms,
+                                              "pdserve.prefill_node": record.prefill_node,
+                                              "pdserve.decode_node": record.decode_node},
+                        error=error if status != "ok" else None)
 
     def _record(self, req: ClientRequest, status: str, http_status: int | None = None,
                 error: str | None = None) -> RequestRecord:

@@ -43,17 +43,19 @@ class NodeClient:
         except httpx.HTTPError as exc:
             raise unreachable(node, exc) from exc
 
-    async def post(self, node: Node, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def post(self, node: Node, path: str, body: dict[str, Any],
+                   headers: dict[str, str] | None = None) -> httpx.Response:
         """POST and read the whole answer."""
         try:
-            return await self._http.post(node.url + path, json=body)
+            return await self._http.post(node.url + path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise unreachable(node, exc) from exc
 
-    def start(self, node: Node, path: str, body: dict[str, Any]) -> asyncio.Future[httpx.Response]:
+    def start(self, node: Node, path: str, body: dict[str, Any],
+              headers: dict[str, str] | None = None) -> asyncio.Future[httpx.Response]:
         """POST in the background; the future holds the streamed answer once its headers are in.
         Cancelling the future (or closing its answer) closes the connection: the node aborts."""
-        request = self._http.build_request("POST", node.url + path, json=body)
+        request = self._http.build_request("POST", node.url + path, json=body, headers=headers)
         return asyncio.ensure_future(self._send(node, request))
 
     async def _send(self, node: Node, request: httpx.Request) -> httpx.Response:

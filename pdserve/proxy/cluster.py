@@ -14,7 +14,8 @@ RATES = {"pdserve:prefill_tokens_computed": "prefill_tokens_per_s", "pdserve:gen
 GAUGES = {"pdserve:num_requests_waiting": "waiting", "pdserve:num_requests_running": "running",
           "pdserve:num_requests_waiting_for_remote_kv": "waiting_for_kv", "pdserve:kv_blocks_used": "kv_blocks_used",
           "pdserve:kv_blocks_total": "kv_blocks_total", "pdserve:kv_blocks_held": "kv_blocks_held",
-          "pdserve:kv_transfers_failed_total": "kv_transfers_failed", "pdserve:kv_hold_expired_total": "kv_holds_expired"}
+          "pdserve:kv_transfers_failed_total": "kv_transfers_failed",
+          "pdserve:kv_hold_expired_total": "kv_holds_expired"}
 KV_BYTES = "pdserve:kv_transfer_bytes_total"  # by direction (sent | received) and transport
 
 

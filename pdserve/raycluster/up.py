@@ -71,7 +71,7 @@ def run_up_ray(args) -> int:
     cpus = [args.ray_cpus * node_tp(args, role) * (node_threads(args, role) or 1) for role in roles]
     started_here = connect(ray, address, max(os.cpu_count() or 1, sum(cpus)))
     stop = StopSignal()
-    group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key))
+    group, actors, proxies = None, [], ProcessGroup(cluster_env(args.api_key, args.otlp_endpoint))
     nodes_file = tempfile.NamedTemporaryFile("w", prefix="pdserve-ray-nodes-", suffix=".json", delete=False).name
     try:
         group = place(ray, cpus, args.ray_placement, args.startup_timeout)

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve import tracing
 from pdserve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.params import KVTransferParams
 from pdserve.proxy.client import (NodeClient, NodeError, discard, header_int, header_seconds, unreachable,
@@ -50,6 +51,17 @@ class ClientRequest:
     parsed: CompletionRequest | ChatCompletionRequest | None = None  # the body as validated (auto mode tokenizes it)
     prompt_part: PromptPart | None = None  # echo / prompt logprobs from P, put before D's answer (proxy/echo.py)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its record's id (x-pdserve-request-id)
+    span: Any = None  # tracing on: the request's span at the proxy (pdserve/tracing.py)
+    open_spans: list = field(default_factory=list)  # its calls to nodes still open: ended with it
+
+    def trace_headers(self, name: str, node_url: str) -> dict[str, str] | None:
+        """Tracing on: a span for a call to a node, and the `traceparent` header that makes the
+        node's spans its children."""
+        if self.span is None:
+            return None
+        span = tracing.start(name, tracing.traceparent_of(self.span), {"pdserve.node": node_url})
+        self.open_spans.append(span)
+        return {"traceparent": tracing.traceparent_of(span)}
 
 
 def read_node_report(response: httpx.Response, timing: RequestTiming) -> None:
@@ -151,10 +163,14 @@ class Flow(ABC):
             p_body["min_tokens"] = 1  # P's one token obeys it; D enforces the rest
         node.begin(req.tokens)
         response = None
+        headers = req.trace_headers("proxy.prefill", node.url)
         try:
-            response = await self.client.post(node, req.path, p_body)
+            response = await self.client.post(node, req.path, p_body, headers)
         finally:
             node.end(req.tokens, ok=response is not None and response.status_code == 200)
+            if headers is not None:
+                status = getattr(response, "status_code", None)
+                tracing.end(req.open_spans.pop(), attributes={"http.status_code": status})
         timing = req.timing
         timing.prefill_done = time.perf_counter()
         timing.prefill_node = node.url
@@ -202,7 +218,7 @@ class Flow(ABC):
             body = for_decode(body)  # D computes no prompt: P reports it
         node.begin(req.tokens)
         req.timing.decode_node, req.timing.decode_sent = node.url, time.perf_counter()
-        return self.client.start(node, req.path, body)
+        return self.client.start(node, req.path, body, req.trace_headers("proxy.decode", node.url))
 
     async def answer(self, node: Node, answer: asyncio.Future, req: ClientRequest) -> Response:
         """Relay the node's answer (already asked for with `ask`)."""
