@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,6 +185,27 @@ def test_the_page_and_its_files_are_served_without_a_cdn(cluster):
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert "EventSource" in js.text
     assert httpx.get(proxy + "/dashboard/static/secret.py").status_code == 404
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_cluster_exports(cluster):
+    """docs/grafana/pdserve.json over Prometheus: every series it names is on the real proxy's or a
+    node's /metrics page, and the proxy lists itself and its nodes, by role, for Prometheus' http_sd."""
+    proxy, p, d = cluster["proxy"].url, cluster["p"].url, cluster["d"].url
+    stream(proxy, "Photosynthesis converts light energy", 6)
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana" / "pdserve.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    promql = pytest.importorskip("promql_parser")
+    for expr in exprs:  # Prometheus' grammar, Grafana's variables given values
+        promql.parse(expr.replace("$__rate_interval", "1m").replace("$role", ".*"))
+    names = {name for expr in exprs for name in re.findall(r"pdserve(?:_proxy)?:[a-z_]+", expr)}
+    assert len(names) >= 15
+    exported = {line.split("{")[0].split(" ")[0] for url in (proxy, p, d)
+                for line in httpx.get(url + "/metrics").text.splitlines() if line and not line.startswith("#")}
+    assert names - exported == set()
+    targets = httpx.get(proxy + "/v1/prometheus/targets").json()
+    assert {(t["targets"][0], t["labels"]["pdserve_role"]) for t in targets} == {
+        (proxy.removeprefix("http://"), "proxy"), (p.removeprefix("http://"), "prefill"),
+        (d.removeprefix("http://"), "decode")}
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -12,6 +12,7 @@ import json
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -154,6 +155,14 @@ class Proxy:
         async def nodes():
             return {"nodes": [_describe(n, self.prefix_index.cache(n)) for n in self.members.nodes()]}
 
+        @app.get("/v1/prometheus/targets")
+        async def prometheus_targets(request: Request):
+            """Prometheus' HTTP service discovery (http_sd_configs): this proxy and its nodes, each
+            with its role in the pdserve_role label (docs/grafana/prometheus.yml)."""
+            own = [{"targets": [request.url.netloc], "labels": {"pdserve_role": "proxy"}}]
+            return own + [{"targets": [urlsplit(n.url).netloc], "labels": {"pdserve_role": n.role}}
+                          for n in self.members.nodes()]
+
         @app.get("/metrics")
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -265,6 +274,8 @@ class Proxy:
         """The request has ended: its record joins the finished ones, its spans end."""
         record = self._record(req, status, http_status, error)
         self.recent.finish(record)
+        if self.recent.meets(record):
+            self.metrics.within_slo.inc()
         if req.span is not None:
             for span in req.open_spans:
                 tracing.end(span)

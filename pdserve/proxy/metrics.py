@@ -29,6 +29,9 @@ class ProxyMetrics:
                                      "Per streamed request, the longest time between two relayed chunks",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_proxy:requests", "Requests relayed to the end", registry=r)
+        self.within_slo = Counter("pdserve_proxy:requests_within_slo",
+                                  "Requests answered within every --slo (without --slo: every answered one): goodput",
+                                  registry=r)
         self.placements = Counter("pdserve_proxy:placement", "Auto mode's choices: local or remote prefill",
                                   ["choice"], registry=r)
         self.placement_seconds = Histogram("pdserve_proxy:placement_seconds", "What choosing a placement cost",
