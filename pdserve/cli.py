@@ -202,7 +202,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                               max_waiting=args.max_waiting, nodes_file=args.nodes_file, profile=args.profile,
                               model_dir=model_dir, stall_weight=args.stall_weight, placement=args.placement,
                               remote_prefill_threshold=args.remote_prefill_threshold,
-                              slos=parse_goodput(args.slo) if args.slo else None))
+                              slos=parse_goodput(args.slo) if args.slo else None,
+                              dashboard=not args.no_dashboard))
     logging.getLogger("pdserve").info(
         "proxy (%s, %s) on http://%s:%d: prefill %s, decode %s",
         args.mode, args.policy, args.host, args.port, args.prefill, args.decode,
@@ -487,7 +488,10 @@ def add_placement_args(parser: argparse.ArgumentParser, ray: bool = False) -> No
     parser.add_argument("--remote-prefill-threshold", type=int, default=512, metavar="TOKENS",
                         help="auto, threshold / scorers: uncached prompt tokens past which a P node prefills")
     parser.add_argument("--slo", nargs="+", default=None, metavar="KEY:MS",
-                        help="auto, cost: ttft:MS tpot:MS itl:MS; placements that make the fewest requests miss them first")
+                        help="ttft:MS tpot:MS itl:MS: auto's cost rule places requests so that the fewest miss them; "
+                             "in every mode the dashboard's goodput counts by them")
+    parser.add_argument("--no-dashboard", action="store_true",
+                        help="keep no request records: no /dashboard, no /v1/requests, no goodput counter")
 
 
 def add_guard_args(parser: argparse.ArgumentParser) -> None:

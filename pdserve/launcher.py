@@ -120,6 +120,8 @@ def proxy_command(args, model_dir: str, host: str) -> list[str]:
         command += ["--max-waiting", str(args.max_waiting)]
     if args.slo:  # auto's placements keep to them; in every mode the dashboard's goodput counts by them
         command += ["--slo", *args.slo]
+    if args.no_dashboard:
+        command.append("--no-dashboard")
     if args.colocated:
         return command + ["--mode", "colocated"]
     if args.mode == "auto":

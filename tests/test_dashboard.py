@@ -97,6 +97,7 @@ def cluster(tmp_path_factory):
         p = procs.start(["serve", "--role", "prefill", *NODE], "p")
         d = procs.start(["serve", "--role", "decode", "--kv-transport", "tcp", *NODE], "d")
         procs.start(["proxy", "--prefill", p.url, "--decode", d.url, "--slo", "ttft:60000", "tpot:5000"], "proxy")
+        procs.start(["proxy", "--prefill", p.url, "--decode", d.url, "--no-dashboard"], "bare_proxy")
         yield procs
 
 
@@ -206,6 +207,15 @@ def test_the_grafana_dashboard_queries_only_metrics_the_cluster_exports(cluster)
     assert {(t["targets"][0], t["labels"]["pdserve_role"]) for t in targets} == {
         (proxy.removeprefix("http://"), "proxy"), (p.removeprefix("http://"), "prefill"),
         (d.removeprefix("http://"), "decode")}
+
+
+def test_no_dashboard_keeps_no_records_and_serves_no_page(cluster):
+    bare = cluster["bare_proxy"].url
+    rid, chunks = stream(bare, "The three primary colors are", 5)
+    assert chunks == 5 and rid
+    assert httpx.get(f"{bare}/v1/requests/{rid}").status_code == 404
+    assert httpx.get(bare + "/dashboard").status_code == 404
+    assert "pdserve_proxy:requests_within_slo_total 0.0" in httpx.get(bare + "/metrics").text
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -86,16 +86,18 @@ class Proxy:
         self.flow = flow_cls(config, self.members, self.client, self.metrics, self.prefix_index)
         self.health = HealthPoller(self.members, self.client, self.nodes_file, config.health_interval_s,
                                    config.max_health_failures)
-        self.recent = RecentRequests(config.slos)
-        self.dashboard = Dashboard(config.mode, self.members, self.recent)
+        # Off (--no-dashboard): no request records, no page, no goodput counter: what they cost, saved
+        self.recent = RecentRequests(config.slos) if config.dashboard else None
+        self.dashboard = Dashboard(config.mode, self.members, self.recent) if config.dashboard else None
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(_: FastAPI):
             async with self.client:
-                tasks = [asyncio.create_task(self.health.run()), asyncio.create_task(self.prefix_index.run()),
-                         asyncio.create_task(self.dashboard.run())]
+                tasks = [asyncio.create_task(self.health.run()), asyncio.create_task(self.prefix_index.run())]
+                if self.dashboard is not None:
+                    tasks.append(asyncio.create_task(self.dashboard.run()))
                 try:
                     yield
                 finally:
@@ -105,7 +107,8 @@ class Proxy:
         app = FastAPI(title="pdserve proxy", lifespan=lifespan)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key)
         install_error_handlers(app)
-        app.include_router(self.dashboard.router())
+        if self.dashboard is not None:
+            app.include_router(self.dashboard.router())
 
         @app.exception_handler(NodeError)
         async def _node_error(_: Request, exc: NodeError):
@@ -237,7 +240,8 @@ class Proxy:
             req.span = tracing.start("pdserve.request", tracing.incoming(raw.headers), start_s=arrival, server=True,
                                      attributes={"pdserve.request_id": req.request_id, "pdserve.mode": self.config.mode,
                                                  "http.route": path})
-        self.recent.start(self._record(req, "running"))
+        if self.recent is not None:
+            self.recent.start(self._record(req, "running"))
         try:
             response = await self.flow.serve(req)
         except NodeError as exc:
@@ -272,10 +276,13 @@ class Proxy:
     def _finish(self, req: ClientRequest, status: str, http_status: int | None = None,
                 error: str | None = None) -> None:
         """The request has ended: its record joins the finished ones, its spans end."""
+        if self.recent is None and req.span is None:
+            return
         record = self._record(req, status, http_status, error)
-        self.recent.finish(record)
-        if self.recent.meets(record):
-            self.metrics.within_slo.inc()
+        if self.recent is not None:
+            self.recent.finish(record)
+            if self.recent.meets(record):
+                self.metrics.within_slo.inc()
         if req.span is not None:
             for span in req.open_spans:
                 tracing.end(span)

@@ -29,4 +29,5 @@ class ProxyConfig:
     stall_weight: float = 1.0  # auto: a second of delay to each stream decoding, against a second of TTFT
     placement: str = "cost"  # auto: cost, or a baseline rule (proxy/placement.py: Placer)
     remote_prefill_threshold: int = 512  # auto, threshold / scorers rules: uncached tokens past which P prefills
+    dashboard: bool = True  # request records, /v1/requests and the live page (proxy/dashboard.py)
     slos: dict[str, float] | None = None  # auto, cost rule: ttft_ms / tpot_ms to keep requests within
