@@ -359,8 +359,15 @@ def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
         busy.join()
         assert remote.status_code == 200, remote.text
         assert remote.headers["x-pdserve-placement"] == "remote"
+        # Its record (the dashboard's): the choice and its predicted TTFT, P prefilled, D pulled
+        record = httpx.get(f"{proxy.url}/v1/requests/{remote.headers['x-pdserve-request-id']}").json()
+        assert record["placement"]["choice"] == "remote" and record["placement"]["predicted_ttft_ms"] > 0
+        assert (record["prefill_node"], record["decode_node"]) == (prefill.url, decode.url)
+        assert record["transfer"]["tokens"] > 0 and "transfer" in [s["stage"] for s in record["segments"]]
         again = httpx.post(proxy.url + "/v1/completions", json=other, timeout=120)
         assert again.headers["x-pdserve-placement"] == "local"
+        record = httpx.get(f"{proxy.url}/v1/requests/{again.headers['x-pdserve-request-id']}").json()
+        assert record["placement"]["choice"] == "local" and record["prefill_node"] is None
         assert again.json()["choices"][0]["text"] == remote.json()["choices"][0]["text"]
         assert metric(proxy.url, "pdserve_proxy:placement_total", 'choice="local"') == 3
         assert metric(proxy.url, "pdserve_proxy:placement_total", 'choice="remote"') == 1
