@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -65,8 +66,8 @@ def test_recent_requests_keep_a_bounded_ring_and_window_percentiles_and_goodput_
         t = pull_timing()
         t.first_byte = 100.0 + 0.1 * (i + 1)  # TTFT 100, 200, ... 500 ms
         record = record_of(f"r{i}", "/v1/completions", "pull", True, t, "ok", 200)
-        recent.start(record)
-        assert recent.get(f"r{i}").status == "ok" and len(recent.running) == 1
+        recent.start(record.id, lambda: record)
+        assert recent.get(f"r{i}") is record and len(recent.running) == 1
         recent.finish(record)
     assert [r.id for r in recent.recent(10)] == ["r4", "r3", "r2"] and recent.get("r0") is None
     window = recent.window()
@@ -129,6 +130,27 @@ def test_each_request_has_a_record_with_its_nodes_transfer_and_stages(cluster):
     assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
     bad = httpx.get(f"{proxy}/v1/requests/recent", params={"limit": 0})
     assert bad.status_code == 400 and "limit" in bad.text
+
+
+def test_a_request_in_flight_shows_its_stages_so_far(cluster):
+    proxy = cluster["proxy"].url
+    body = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        for _ in range(3):  # a few tokens in: decoding on D
+            next(lines)
+        running = httpx.get(f"{proxy}/v1/requests/{r.headers['x-pdserve-request-id']}").json()
+        assert running["status"] == "running" and running["e2e_ms"] is None
+        assert [s["stage"] for s in running["segments"]][:4] == ["queue", "prefill", "decode_queue", "transfer"]
+        listed = httpx.get(f"{proxy}/v1/requests/recent", params={"limit": 1}).json()["requests"]
+        assert listed[0]["id"] == running["id"] and listed[0]["status"] == "running"
+        r.close()  # the client leaves mid-stream
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{proxy}/v1/requests/{running['id']}").json()["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert httpx.get(f"{proxy}/v1/requests/{running['id']}").json()["status"] == "aborted"
 
 
 def test_a_failed_request_is_recorded_with_the_nodes_error(cluster):

@@ -241,7 +241,7 @@ class Proxy:
                                      attributes={"pdserve.request_id": req.request_id, "pdserve.mode": self.config.mode,
                                                  "http.route": path})
         if self.recent is not None:
-            self.recent.start(self._record(req, "running"))
+            self.recent.start(req.request_id, lambda: self._record(req, "running"))
         try:
             response = await self.flow.serve(req)
         except NodeError as exc:

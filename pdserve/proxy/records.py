@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from pydantic import BaseModel
@@ -129,13 +129,14 @@ class RecentRequests:
         self.slos = slos or {}
         self.keep, self.window_s = keep, window_s
         self.started = time.monotonic()
-        self.running: dict[str, RequestRecord] = {}
+        # those in flight: how to make their record as it stands (built when asked for, not kept up to date)
+        self.running: dict[str, Callable[[], RequestRecord]] = {}
         self.finished: OrderedDict[str, RequestRecord] = OrderedDict()
         # (finished at, ttft, tpot, max itl, e2e [ms, nan where unknown], met the SLOs)
         self._window: deque[tuple[float, float, float, float, float, bool]] = deque()
 
-    def start(self, record: RequestRecord) -> None:
-        self.running[record.id] = record
+    def start(self, request_id: str, record: Callable[[], RequestRecord]) -> None:
+        self.running[request_id] = record
 
     def finish(self, record: RequestRecord, now: float | None = None) -> None:
         self.running.pop(record.id, None)
@@ -156,12 +157,13 @@ class RecentRequests:
         return all(measured.get(key) is None or measured[key] <= limit for key, limit in self.slos.items())
 
     def get(self, request_id: str) -> RequestRecord | None:
-        return self.running.get(request_id) or self.finished.get(request_id)
+        running = self.running.get(request_id)
+        return running() if running is not None else self.finished.get(request_id)
 
     def recent(self, limit: int) -> list[RequestRecord]:
         """The newest first: those in flight, then the finished ones."""
-        newest = list(reversed(self.running.values())) + list(reversed(self.finished.values()))
-        return newest[:limit]
+        running = [record() for record in itertools.islice(reversed(self.running.values()), limit)]
+        return running + list(itertools.islice(reversed(self.finished.values()), limit - len(running)))
 
     def window(self, now: float | None = None) -> dict:
         """The last minutes: requests, goodput, and p50 / p90 / p99 of TTFT, TPOT, max ITL and e2e (ms)."""
