@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import MODEL, NODE, Procs
+from servers import MODEL, NODE, Procs, start_pdserve
 
 from pdserve.proxy.cluster import NodeLoad
 from pdserve.proxy.records import RecentRequests, record_of
@@ -238,6 +239,21 @@ def test_no_dashboard_keeps_no_records_and_serves_no_page(cluster):
     assert httpx.get(f"{bare}/v1/requests/{rid}").status_code == 404
     assert httpx.get(bare + "/dashboard").status_code == 404
     assert "pdserve_proxy:requests_within_slo_total 0.0" in httpx.get(bare + "/metrics").text
+
+
+def test_an_open_page_does_not_hold_the_proxys_stop(cluster, tmp_path):
+    """SIGTERM with a feed open: the feed ends and the proxy exits 0 well before the 5 s grace."""
+    proxy = start_pdserve(["proxy", "--prefill", cluster["p"].url, "--decode", cluster["d"].url], tmp_path, "stop")
+    try:
+        with httpx.stream("GET", proxy.url + "/dashboard/events", timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("event: snapshot")
+            started = time.monotonic()
+            proxy.proc.send_signal(signal.SIGTERM)
+            assert proxy.proc.wait(timeout=10) == 0
+            assert time.monotonic() - started < 3.0
+    finally:
+        proxy.stop()
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

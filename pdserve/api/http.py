@@ -4,11 +4,15 @@ noticing a client that leaves while its request is still being worked on."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import uvicorn
 from starlette.requests import Request
 
 DISCONNECT_POLL_S = 0.5
+# Set once the server is asked to stop: endless streams (the dashboard's feed) end by themselves
+# rather than holding the graceful shutdown until its timeout.
+STOPPING = threading.Event()
 
 
 async def finished_before_disconnect(raw: Request, task: asyncio.Future) -> bool:
@@ -29,6 +33,7 @@ class _GracefulServer(uvicorn.Server):
     SIGTERM (status -15). A stop asked for is a clean exit here: the signal is handled, not replayed."""
 
     def handle_exit(self, sig, frame) -> None:
+        STOPPING.set()
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
 

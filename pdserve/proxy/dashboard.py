@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from pdserve.api.errors import error_response
+from pdserve.api.http import STOPPING
 from pdserve.proxy.records import RecentRequests, RequestRecord
 
 if TYPE_CHECKING:
@@ -74,8 +75,8 @@ class Dashboard:
         return self.snapshot
 
     async def events(self) -> AsyncIterator[bytes]:
-        """SSE: the current snapshot at once, then each new one."""
-        while True:
+        """SSE: the current snapshot at once, then each new one, until the server stops."""
+        while not STOPPING.is_set():
             changed = self._changed
             if self.snapshot:
                 yield f"event: snapshot\ndata: {json.dumps(self.snapshot)}\n\n".encode()
