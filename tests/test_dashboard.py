@@ -122,6 +122,7 @@ def test_each_request_has_a_record_with_its_nodes_transfer_and_stages(cluster):
     assert [s["node"] for s in record["segments"]] == [p, p, d, d, d]
     assert record["prompt_tokens"] > 100 and record["transfer"]["tokens"] == record["prompt_tokens"]
     assert record["transfer"]["bytes"] > 0 and record["transfer"]["transport"] == "tcp"
+    assert record["transfer"]["blocks"] == -(-record["prompt_tokens"] // 16)  # the engine's 16-token blocks
     spent = sum(s["end_ms"] - s["start_ms"] for s in record["segments"])
     assert spent == pytest.approx(record["e2e_ms"], rel=0.05)  # the hops between stages are small
     assert 0 < record["ttft_ms"] < record["e2e_ms"] and record["max_itl_ms"] >= record["tpot_ms"] > 0

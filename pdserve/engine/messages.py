@@ -39,6 +39,7 @@ class RequestMetrics:
     num_remote_tokens: int = 0  # prompt tokens whose KV was loaded from a prefill node
     kv_load_seconds: float = 0.0  # time spent waiting for remote KV
     kv_bytes: int = 0  # the remote KV's bytes, as this end moved them
+    kv_blocks: int = 0  # the blocks they filled (per KV group)
     kv_transport: str | None = None  # the transport that moved them
     num_preemptions: int = 0
 

@@ -215,6 +215,7 @@ class Scheduler:
                     req.kv_external_tokens -= 1  # P sent no first token: compute the last prompt token here
                 req.num_computed_tokens += req.kv_external_tokens
                 req.metrics.num_remote_tokens = req.kv_external_tokens
+                req.metrics.kv_blocks = -(-req.kv_external_tokens // self.block_manager.block_size)
                 self.block_manager.cache_full_blocks(req)  # loaded blocks are computed ones: reusable now
                 if self.kv_stats is not None:
                     self.kv_stats.add_remote_tokens(req.kv_external_tokens)

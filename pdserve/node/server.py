@@ -222,6 +222,7 @@ class NodeServer:
             "x-pdserve-cached-tokens": str(m.num_cached_tokens),
             "x-pdserve-remote-tokens": str(m.num_remote_tokens),
             "x-pdserve-kv-bytes": str(m.kv_bytes),
+            "x-pdserve-kv-blocks": str(m.kv_blocks),
         }
         if m.kv_transport:
             headers["x-pdserve-kv-transport"] = m.kv_transport

@@ -35,7 +35,7 @@ def end_request(span, out: RequestOutput | None) -> None:
             computed_from += m.kv_load_seconds
             tracing.record("kv.load", parent, m.first_scheduled_time, computed_from,
                            {"pdserve.kv.bytes": m.kv_bytes, "pdserve.kv.transport": m.kv_transport or "",
-                            "pdserve.kv.tokens": m.num_remote_tokens})
+                            "pdserve.kv.tokens": m.num_remote_tokens, "pdserve.kv.blocks": m.kv_blocks})
         computed = len(out.prompt_token_ids) - m.num_cached_tokens - m.num_remote_tokens
         if m.first_token_time is not None and computed > 0:
             tracing.record("prefill", parent, computed_from, m.first_token_time, {"pdserve.tokens": computed})

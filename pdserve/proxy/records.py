@@ -35,6 +35,7 @@ class Transfer(BaseModel):
 
     bytes: int
     tokens: int  # prompt tokens whose KV moved
+    blocks: int  # the blocks they filled on D
     ms: float  # pull: D's wait for the KV; push: the part not hidden behind P's prefill
     transport: str | None
 
@@ -86,7 +87,7 @@ def record_of(request_id: str, path: str, mode: str, stream: bool, t: RequestTim
             record.tpot_ms = (t.last_byte - t.first_byte) * 1e3 / (t.output_chunks - 1)
             record.max_itl_ms = t.longest_gap * 1e3
     if t.kv_tokens:
-        record.transfer = Transfer(bytes=t.kv_bytes, tokens=t.kv_tokens, ms=t.transfer_s * 1e3,
+        record.transfer = Transfer(bytes=t.kv_bytes, tokens=t.kv_tokens, blocks=t.kv_blocks, ms=t.transfer_s * 1e3,
                                    transport=t.kv_transport)
     if t.placement is not None:
         record.placement = Placement(choice=t.placement, choose_ms=t.placement_s * 1e3,

@@ -19,6 +19,7 @@ class RequestTiming:
     cached_tokens: int | None = None  # of those, from its prefix cache
     kv_tokens: int = 0  # prompt tokens whose KV D received from P
     kv_bytes: int = 0
+    kv_blocks: int = 0
     kv_transport: str | None = None
     error: str | None = None  # why the answer failed mid-stream
     output_chunks: int = 0  # streamed: SSE events relayed, [DONE] and a usage-only event not counted

@@ -74,6 +74,7 @@ def read_node_report(response: httpx.Response, timing: RequestTiming) -> None:
         timing.decode_queue_s = header_seconds(response, "x-pdserve-queue-ms")
     timing.kv_tokens = header_int(response, "x-pdserve-remote-tokens") or 0
     timing.kv_bytes = header_int(response, "x-pdserve-kv-bytes") or 0
+    timing.kv_blocks = header_int(response, "x-pdserve-kv-blocks") or 0
     timing.kv_transport = response.headers.get("x-pdserve-kv-transport")
 
 

@@ -107,7 +107,8 @@ function drawRequests(records) {
   const body = document.querySelector("#requests tbody");
   body.replaceChildren(...records.map((r) => {
     const row = el("tr", { class: "request", "data-request-id": r.id, "data-e2e-ms": r.e2e_ms ?? "" });
-    const kv = r.transfer ? `${fmt(r.transfer.bytes / 1e6, 2)} MB · ${fmt(r.transfer.ms)} ms · ${r.transfer.transport || "?"}` : "–";
+    const kv = r.transfer ? `${fmt(r.transfer.bytes / 1e6, 2)} MB · ${r.transfer.blocks} blocks · ${fmt(r.transfer.ms)} ms · `
+      + `${r.transfer.transport || "?"}` : "–";
     const placed = r.placement ? `${r.placement.choice} (pred. TTFT ${fmt(r.placement.predicted_ttft_ms, 0)} ms)` : "–";
     const route = r.prefill_node ? `${short(r.prefill_node)} → ${short(r.decode_node)}` : short(r.decode_node);
     const cells = [r.id.slice(0, 8), r.status, null, fmt(r.ttft_ms), fmt(r.tpot_ms), fmt(r.max_itl_ms),
