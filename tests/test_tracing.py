@@ -96,7 +96,7 @@ def test_one_pull_requests_spans_from_three_processes_share_a_trace_and_nest(tra
         assert sum(line.startswith("data: ") for line in r.iter_lines()) == 9
     expected = {("pdserve-proxy", "pdserve.request"), ("pdserve-proxy", "proxy.prefill"),
                 ("pdserve-proxy", "proxy.decode"), ("pdserve-prefill", "node.request"), ("pdserve-prefill", "queue"),
-                ("pdserve-prefill", "prefill"), ("pdserve-prefill", "kv.serve_pull"),
+                ("pdserve-prefill", "prefill"), ("pdserve-prefill", "kv.serve_pull"), ("pdserve-prefill", "kv.lease"),
                 ("pdserve-decode", "node.request"), ("pdserve-decode", "queue"), ("pdserve-decode", "kv.pull"),
                 ("pdserve-decode", "kv.load"), ("pdserve-decode", "decode")}
     trace = spans_of(receiver, request_id, len(expected))
@@ -112,6 +112,7 @@ def test_one_pull_requests_spans_from_three_processes_share_a_trace_and_nest(tra
         ("pdserve-prefill", "node.request"): ("pdserve-proxy", "proxy.prefill"),
         ("pdserve-prefill", "queue"): ("pdserve-prefill", "node.request"),
         ("pdserve-prefill", "prefill"): ("pdserve-prefill", "node.request"),
+        ("pdserve-prefill", "kv.lease"): ("pdserve-prefill", "node.request"),  # outlives it: until D pulled
         ("pdserve-decode", "node.request"): ("pdserve-proxy", "proxy.decode"),
         ("pdserve-decode", "queue"): ("pdserve-decode", "node.request"),
         ("pdserve-decode", "kv.pull"): ("pdserve-decode", "node.request"),
@@ -122,11 +123,13 @@ def test_one_pull_requests_spans_from_three_processes_share_a_trace_and_nest(tra
     # Each child lies within its parent's time (one machine, one clock), the transfer's on both ends.
     for key, span in by_name.items():
         above = by_name.get(parent[key])
-        if above is not None and key[1] != "kv.serve_pull":
+        if above is not None and key[1] not in ("kv.serve_pull", "kv.lease"):
             assert above["start"] <= span["start"] + 2_000_000 and span["end"] <= above["end"] + 2_000_000, key
     pull, served = by_name[("pdserve-decode", "kv.pull")], by_name[("pdserve-prefill", "kv.serve_pull")]
     assert pull["attributes"]["pdserve.kv.bytes"] == served["attributes"]["pdserve.kv.bytes"] > 0
     assert pull["attributes"]["pdserve.kv.transport"] == "tcp" and pull["attributes"]["pdserve.kv.blocks"] > 0
+    lease = by_name[("pdserve-prefill", "kv.lease")]
+    assert lease["attributes"]["pdserve.kv.expired"] is False and lease["end"] >= served["end"]
     root = by_name[("pdserve-proxy", "pdserve.request")]["attributes"]
     assert root["pdserve.status"] == "ok" and root["pdserve.decode_node"] == procs["d"].url
 
@@ -136,7 +139,7 @@ def test_every_request_starts_its_own_trace_without_a_client_traceparent(traced_
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
     ids = [httpx.post(procs["proxy"].url + "/v1/completions", json=body, timeout=120).headers["x-pdserve-request-id"]
            for _ in range(2)]
-    traces = [spans_of(receiver, rid, 12) for rid in ids]
+    traces = [spans_of(receiver, rid, 13) for rid in ids]
     per_trace = [defaultdict(int) for _ in traces]
     for counts, trace in zip(per_trace, traces):
         for span in trace:

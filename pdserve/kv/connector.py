@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from pdserve import tracing
 from pdserve.config import KVTransferConfig
 from pdserve.kv.channel import resolve_secret
 from pdserve.kv.holds import HeldBlocks
@@ -284,7 +285,8 @@ class KVConnectorScheduler:
         if req.finish_reason not in ("stop", "length"):
             return False, None  # aborted: nobody will pull
         blocks = join_tables([t[: -(-req.num_prompt_tokens // self.block_size)] for t in req.block_tables])
-        self.held.hold(req.request_id, blocks, req.prompt_token_ids)
+        self.held.hold(req.request_id, blocks, req.prompt_token_ids,
+                       params.traceparent if tracing.enabled() else None)
         first = req.output_token_ids[0] if req.output_token_ids else None
         return True, KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks, remote_engine_id=self.engine_id,
                                       remote_request_id=req.request_id, first_token_id=first,

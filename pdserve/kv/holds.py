@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve import tracing
 from pdserve.kv.prefix_hash import prompt_digest
 
 
@@ -22,6 +23,9 @@ class _Hold:
     token_ids: list[int] | None  # the prompt the KV is of (None: a benchmark's bare blocks)
     pinned: int = 0
     done: bool = False
+    traceparent: str | None = None  # P's request span (tracing on): the hold ends as its kv.lease span
+    since: float = 0.0  # perf_counter seconds
+    renewals: int = 0
 
 
 class HeldBlocks:
@@ -32,10 +36,12 @@ class HeldBlocks:
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
 
-    def hold(self, request_id: str, block_ids: list[int], token_ids: list[int] | None = None) -> None:
+    def hold(self, request_id: str, block_ids: list[int], token_ids: list[int] | None = None,
+             traceparent: str | None = None) -> None:
         with self._lock:
             # (the request's prompt list itself: a prompt never changes)
-            self._holds[request_id] = _Hold(list(block_ids), time.monotonic() + self.lease_s, token_ids)
+            self._holds[request_id] = _Hold(list(block_ids), time.monotonic() + self.lease_s, token_ids,
+                                            traceparent=traceparent, since=time.perf_counter())
 
     def pin(self, request_id: str, block_ids: list[int], num_tokens: int = 0, digest: int | None = None) -> str | None:
         """Reserve the hold for one transfer; an error message if the request may not be read: the
@@ -67,6 +73,7 @@ class HeldBlocks:
                 h = self._holds.get(rid)
                 if h is not None and not h.done:
                     h.deadline = max(h.deadline, deadline)
+                    h.renewals += 1
                     renewed += 1
         return renewed
 
@@ -90,7 +97,7 @@ class HeldBlocks:
 
         Every hold is looked at (a reaper that stops at the first unexpired one strands the blocks
         behind it: vLLM #58222); the freed come in deadline order."""
-        now, out = time.monotonic(), []
+        now, out, ended = time.monotonic(), [], []
         with self._lock:
             for rid, h in sorted(self._holds.items(), key=lambda item: item[1].deadline):
                 if h.pinned:
@@ -98,6 +105,12 @@ class HeldBlocks:
                 if h.done or now > h.deadline:
                     out.append((rid, not h.done))
                     del self._holds[rid]
+                    if h.traceparent is not None:
+                        ended.append(h)
+        for h in ended:  # (tracing on) the lease, from the prefill's end until its blocks were freed
+            tracing.record("kv.lease", h.traceparent, h.since, time.perf_counter(),
+                           {"pdserve.kv.blocks": len(h.block_ids), "pdserve.kv.renewals": h.renewals,
+                            "pdserve.kv.expired": not h.done})
         return out
 
     @property
