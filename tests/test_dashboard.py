@@ -74,7 +74,18 @@ def test_recent_requests_keep_a_bounded_ring_and_window_percentiles_and_goodput_
     window = recent.window()
     assert window["requests"] == 5 and window["met_slos"] == 1  # only TTFT 100 ms is within 150
     assert window["ttft_ms"]["p50"] == pytest.approx(300) and window["goodput_rps"] == pytest.approx(0.1)
+    assert window["itl_ms"] is None  # no gaps given
     assert recent.window(now=recent.started + 1e6)["requests"] == 0  # the window slid past them all
+
+
+def test_every_gap_counts_in_the_windows_itl_percentiles_within_a_bucket():
+    recent = RecentRequests(None, window_s=10.0)
+    t = pull_timing()
+    gaps = [0.010] * 89 + [0.050] * 10 + [1.0]  # ms: p50 10, p90 50 (the 90th), p99 50, p100 1000
+    recent.finish(record_of("g", "/v1/completions", "pull", True, t, "ok", 200), now=100.0, gaps=gaps)
+    itl = recent.window(now=101.0)["itl_ms"]
+    assert [itl[p] / ms for p, ms in (("p50", 10), ("p90", 50), ("p99", 50))] == [pytest.approx(1.1, abs=0.1)] * 3
+    assert recent.window(now=200.0)["itl_ms"] is None  # slid out
 
 
 def test_node_load_turns_counters_into_rates_between_two_polls():
@@ -200,6 +211,8 @@ def test_the_feed_pushes_a_snapshot_a_second_with_the_nodes_load(cluster):
     assert roles["decode"]["load"]["kv_blocks_total"] > 0 and roles["decode"]["engine"]["dtype"] == "float32"
     assert last["window"]["requests"] >= 1 and last["window"]["slos_ms"] == {"ttft_ms": 60000.0, "tpot_ms": 5000.0}
     assert last["requests"][0]["status"] == "ok" and len(last["history"]) >= 3
+    assert last["window"]["itl_ms"]["p50"] > 0
+    assert last["history"][-1]["itl_ms"] == pytest.approx(last["window"]["itl_ms"], abs=1e-3)  # (rounded there)
 
 
 def test_the_page_and_its_files_are_served_without_a_cdn(cluster):

@@ -100,7 +100,7 @@ def tick_cost(rate: float = 50.0, ticks: int = 20) -> dict:
                           first_byte=100.3 + (i % 7) * 0.01, last_byte=101.0, done=101.0, output_chunks=30,
                           kv_tokens=300, kv_bytes=1 << 22, kv_transport="tcp")
         recent.finish(record_of(f"r{i}", "/v1/completions", "pull", True, t, "ok", 200),
-                      now=now - WINDOW_S + i / rate)
+                      now=now - WINDOW_S + i / rate, gaps=[0.02 + (i % 5) * 0.005] * 29)
     dashboard = Dashboard("pull", members, recent)
     start = time.perf_counter()
     for _ in range(ticks):

@@ -280,7 +280,7 @@ class Proxy:
             return
         record = self._record(req, status, http_status, error)
         if self.recent is not None:
-            self.recent.finish(record)
+            self.recent.finish(record, gaps=req.timing.gaps)
             if self.recent.meets(record):
                 self.metrics.within_slo.inc()
         if req.span is not None:

@@ -61,7 +61,7 @@ class Dashboard:
         window = self.recent.window()
         nodes = [describe_node(n) for n in self.members.nodes()]
         point = {"t": time.time(), "throughput_rps": window["throughput_rps"], "goodput_rps": window["goodput_rps"]}
-        for name in ("ttft_ms", "tpot_ms", "max_itl_ms"):
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "max_itl_ms"):
             point[name] = {q: round(v, 3) for q, v in window[name].items()} if window[name] else None
         for role in ("prefill", "decode", "both", "kv_both"):
             loads = [n["load"].get("utilisation") for n in nodes if n["role"] == role and n["load"]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -31,6 +31,7 @@ class RequestTiming:
     last_byte: float | None = None
     past_itl: bool = False  # auto under an ITL SLO: a gap between two chunks passed it (counted on its node)
     longest_gap: float = 0.0  # streamed: the longest time between two relayed chunks after the first
+    gaps: list[float] = field(default_factory=list)  # streamed: every such gap (the dashboard's ITL percentiles)
     done: float | None = None
     placement: str | None = None  # auto mode: local | remote
     placement_s: float = 0.0  # auto mode: what choosing cost the proxy

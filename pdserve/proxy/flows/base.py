@@ -276,6 +276,7 @@ class Flow(ABC):
                         timing.first_byte = now
                     else:
                         gap = now - timing.last_byte
+                        timing.gaps.append(gap)
                         timing.longest_gap = max(timing.longest_gap, gap)
                         if itl_s is not None and not timing.past_itl and gap > itl_s:
                             timing.past_itl = True

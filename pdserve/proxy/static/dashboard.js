@@ -47,6 +47,7 @@ function drawSummary(w) {
     ["requests", w.requests], ["throughput req/s", fmt(w.throughput_rps, 2)],
     [`goodput req/s${slos ? " (" + slos + ")" : " (no --slo: every answer)"}`, fmt(w.goodput_rps, 2)],
     ["TTFT p50 / p90 / p99 ms", pct(w.ttft_ms)], ["TPOT p50 / p90 / p99 ms", pct(w.tpot_ms)],
+    ["ITL p50 / p90 / p99 ms", pct(w.itl_ms)],
     ["max gap p50 / p90 / p99 ms", pct(w.max_itl_ms)], ["e2e p50 / p90 / p99 ms", pct(w.e2e_ms)],
   ];
   document.querySelector("#summary").replaceChildren(...cards.map(([name, value]) => {
@@ -79,7 +80,9 @@ function drawCharts(history) {
   document.querySelector("#charts").replaceChildren(
     lineChart("TTFT ms", history, [{ name: "p50", value: q("ttft_ms", "p50"), color: "#2f7fd8" },
       { name: "p90", value: q("ttft_ms", "p90"), color: "#e0892b" }]),
-    lineChart("TPOT / max gap ms (p50)", history, [{ name: "TPOT", value: q("tpot_ms", "p50"), color: "#2f7fd8" },
+    lineChart("TPOT p50 / ITL p99 / max gap p50 ms", history, [
+      { name: "TPOT", value: q("tpot_ms", "p50"), color: "#2f7fd8" },
+      { name: "ITL p99", value: q("itl_ms", "p99"), color: "#e0892b" },
       { name: "max gap", value: q("max_itl_ms", "p50"), color: "#c62828" }]),
     lineChart("req/s", history, [{ name: "throughput", value: (h) => h.throughput_rps, color: "#7a8494" },
       { name: "goodput", value: (h) => h.goodput_rps, color: "#1a7f37" }]),
