@@ -47,17 +47,20 @@ class Dashboard:
         self.mode, self.members, self.recent = mode, members, recent
         self.history: deque[dict] = deque(maxlen=HISTORY_POINTS)
         self.snapshot: dict = {}
+        self.event = b""  # the snapshot as one SSE event, encoded once for every open page
+        self.watching = 0  # open pages: with none, a tick keeps the history only
+        self._dumped: dict[str, dict] = {}  # finished records as JSON-ready dicts, each made once
         self._changed = asyncio.Event()
 
     async def run(self) -> None:
-        """The proxy's background task: a snapshot a tick, announced to every open page."""
+        """The proxy's background task: a history point a tick, and for open pages a snapshot."""
         while True:
-            self.tick()
+            self.tick(snapshot=self.watching > 0)
             self._changed.set()
             self._changed = asyncio.Event()
             await asyncio.sleep(TICK_S)
 
-    def tick(self) -> dict:
+    def tick(self, snapshot: bool = True) -> dict:
         window = self.recent.window()
         nodes = [describe_node(n) for n in self.members.nodes()]
         point = {"t": time.time(), "throughput_rps": window["throughput_rps"], "goodput_rps": window["goodput_rps"]}
@@ -69,18 +72,38 @@ class Dashboard:
             if loads:
                 point[f"utilisation_{role}"] = round(sum(loads) / len(loads), 4)
         self.history.append(point)
-        self.snapshot = {"t": point["t"], "mode": self.mode, "nodes": nodes, "window": window,
-                         "history": list(self.history),
-                         "requests": [r.model_dump(mode="json") for r in self.recent.recent(PAGE_ROWS)]}
+        if snapshot:
+            self.snapshot = {"t": point["t"], "mode": self.mode, "nodes": nodes, "window": window,
+                             "history": list(self.history), "requests": self._rows()}
+            self.event = f"event: snapshot\ndata: {json.dumps(self.snapshot)}\n\n".encode()
         return self.snapshot
+
+    def _rows(self) -> list[dict]:
+        """The newest records, JSON-ready; a finished one is dumped once, not once a tick."""
+        rows, dumped = [], {}
+        for record in self.recent.recent(PAGE_ROWS):
+            if record.status == "running":
+                rows.append(record.model_dump(mode="json"))
+                continue
+            row = dumped[record.id] = self._dumped.get(record.id) or record.model_dump(mode="json")
+            rows.append(row)
+        self._dumped = dumped  # (those that left the page are forgotten)
+        return rows
 
     async def events(self) -> AsyncIterator[bytes]:
         """SSE: the current snapshot at once, then each new one, until the server stops."""
-        while not STOPPING.is_set():
-            changed = self._changed
-            if self.snapshot:
-                yield f"event: snapshot\ndata: {json.dumps(self.snapshot)}\n\n".encode()
-            await changed.wait()
+        self.watching += 1
+        try:
+            if not self.event:  # the first page since start, or since the last one closed
+                self.tick()
+            while not STOPPING.is_set():
+                changed = self._changed
+                yield self.event
+                await changed.wait()
+        finally:
+            self.watching -= 1
+            if not self.watching:
+                self.event = b""  # stale from the next tick on
 
     def router(self) -> APIRouter:
         router = APIRouter()
