@@ -64,11 +64,13 @@ def _context(traceparent: str | None):
     return _propagator.extract({"traceparent": traceparent}) if traceparent else None
 
 
-def start(name: str, traceparent: str | None = None, attributes: dict | None = None,
+def start(name: str, traceparent: str | None, request_id: str, attributes: dict | None = None,
           start_s: float | None = None, server: bool = False):
-    """A span (end it with `end`), a child of `traceparent` (W3C) or a new trace's root."""
+    """A span (end it with `end`), a child of `traceparent` (W3C) or a new trace's root; every span
+    names the request as the process that makes it knows it (`pdserve.request_id`)."""
     from opentelemetry.trace import SpanKind
 
+    attributes = {"pdserve.request_id": request_id, **(attributes or {})}
     return _tracer.start_span(name, context=_context(traceparent), attributes=attributes,
                               kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
                               start_time=None if start_s is None else epoch_ns(start_s))
@@ -84,9 +86,10 @@ def end(span, end_s: float | None = None, attributes: dict | None = None, error:
     span.end(end_time=None if end_s is None else epoch_ns(end_s))
 
 
-def record(name: str, traceparent: str | None, start_s: float, end_s: float, attributes: dict | None = None) -> str:
+def record(name: str, traceparent: str | None, request_id: str, start_s: float, end_s: float,
+           attributes: dict | None = None) -> str:
     """A span that already happened (perf_counter seconds); its own traceparent, for children."""
-    span = start(name, traceparent, attributes, start_s)
+    span = start(name, traceparent, request_id, attributes, start_s)
     end(span, end_s)
     return traceparent_of(span)
 

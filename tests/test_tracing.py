@@ -130,6 +130,14 @@ def test_one_pull_requests_spans_from_three_processes_share_a_trace_and_nest(tra
     assert pull["attributes"]["pdserve.kv.transport"] == "tcp" and pull["attributes"]["pdserve.kv.blocks"] > 0
     lease = by_name[("pdserve-prefill", "kv.lease")]
     assert lease["attributes"]["pdserve.kv.expired"] is False and lease["end"] >= served["end"]
+    # Each span names the request as its process knows it; the nodes' request spans the proxy's id too
+    assert all(span["attributes"]["pdserve.request_id"] for span in trace)
+    assert {by_name[(node, "node.request")]["attributes"]["pdserve.proxy_request_id"]
+            for node in ("pdserve-prefill", "pdserve-decode")} == {request_id}
+    assert by_name[("pdserve-decode", "kv.pull")]["attributes"]["pdserve.request_id"] == \
+        by_name[("pdserve-decode", "node.request")]["attributes"]["pdserve.request_id"]
+    assert by_name[("pdserve-prefill", "kv.serve_pull")]["attributes"]["pdserve.request_id"] == \
+        by_name[("pdserve-prefill", "node.request")]["attributes"]["pdserve.request_id"]
     root = by_name[("pdserve-proxy", "pdserve.request")]["attributes"]
     assert root["pdserve.status"] == "ok" and root["pdserve.decode_node"] == procs["d"].url
 

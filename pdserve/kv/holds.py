@@ -106,9 +106,9 @@ class HeldBlocks:
                     out.append((rid, not h.done))
                     del self._holds[rid]
                     if h.traceparent is not None:
-                        ended.append(h)
-        for h in ended:  # (tracing on) the lease, from the prefill's end until its blocks were freed
-            tracing.record("kv.lease", h.traceparent, h.since, time.perf_counter(),
+                        ended.append((rid, h))
+        for rid, h in ended:  # (tracing on) the lease, from the prefill's end until its blocks were freed
+            tracing.record("kv.lease", h.traceparent, rid, h.since, time.perf_counter(),
                            {"pdserve.kv.blocks": len(h.block_ids), "pdserve.kv.renewals": h.renewals,
                             "pdserve.kv.expired": not h.done})
         return out

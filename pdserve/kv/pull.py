@@ -67,7 +67,7 @@ class KVSender:
         pools = self.transports
         span = None
         if tracing.enabled() and req.traceparent:
-            span = tracing.start("kv.serve_pull", req.traceparent,
+            span = tracing.start("kv.serve_pull", req.traceparent, req.request_id,
                                  tracing.transfer_attributes(req.block_ids, transport.name))
         try:
             start = time.perf_counter()
@@ -133,7 +133,8 @@ class KVReceiver:
         name = choose_transport(self.transport, PeerAddress(spec.remote_host, spec.remote_transports))
         span = None
         if tracing.enabled():
-            span = tracing.start("kv.pull", spec.traceparent, tracing.transfer_attributes(spec.remote_block_ids, name))
+            span = tracing.start("kv.pull", spec.traceparent, spec.request_id,
+                                 tracing.transfer_attributes(spec.remote_block_ids, name))
         start = time.perf_counter()
         try:
             nbytes = self._pull(spec, self.transports[name], span and tracing.traceparent_of(span))

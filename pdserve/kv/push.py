@@ -131,7 +131,7 @@ class PushSender:
             if session is None:
                 session = self._sessions[spec.request_id] = _Session(spec.target)
                 try:
-                    self._open(session)
+                    self._open(session, spec.request_id)
                 except (OSError, ProtocolError) as exc:
                     self._fail(spec.request_id, session, f"cannot push to {spec.target.host}:{spec.target.port}: {exc}")
             self._step.append((spec, session))
@@ -182,11 +182,12 @@ class PushSender:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def _open(self, session: _Session) -> None:
+    def _open(self, session: _Session, request_id: str) -> None:
+        """Connect to D and begin the push of P's `request_id` into D's request."""
         target = session.target
         transport = self.transports[choose_transport(self.transport, PeerAddress(target.host, target.transports))]
         if tracing.enabled():
-            session.span = tracing.start("kv.push", target.traceparent,
+            session.span = tracing.start("kv.push", target.traceparent, request_id,
                                          tracing.transfer_attributes(target.block_ids, transport.name))
         sock = connect(target.host, target.port, self.timeout_s, self.secret)
         session.sock = sock
@@ -374,7 +375,7 @@ class PushReceiver:
         start, nbytes, error, first_token = time.perf_counter(), 0, None, None
         span = None
         if tracing.enabled() and begin.traceparent:
-            span = tracing.start("kv.receive_push", begin.traceparent, {"pdserve.kv.transport": transport.name})
+            span = tracing.start("kv.receive_push", begin.traceparent, rid, {"pdserve.kv.transport": transport.name})
         try:
             # The accept carries our pools' size, our TP size (the plan) and the transport's
             # handshake (shm: our segments, which the pusher maps).

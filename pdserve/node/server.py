@@ -196,9 +196,9 @@ class NodeServer:
         answer = AnswerShape(chat, echo, body.prompt_logprobs is not None, tools)
         span = None
         if tracing.enabled():  # the request's span; a KV transfer's spans are its children
-            span = tracing.start("node.request", tracing.incoming(raw.headers),
-                                 {"pdserve.request_id": request_id, "pdserve.prompt_tokens": len(prompt_ids)},
-                                 server=True)
+            span = tracing.start("node.request", tracing.incoming(raw.headers), request_id,
+                                 {"pdserve.proxy_request_id": raw.headers.get("x-pdserve-request-id"),
+                                  "pdserve.prompt_tokens": len(prompt_ids)}, server=True)
             if checked.kv_transfer_params is not None:
                 checked.kv_transfer_params.traceparent = tracing.traceparent_of(span)
         outputs = self.engine.generate(request_id, checked)

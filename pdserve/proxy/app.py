@@ -237,9 +237,8 @@ class Proxy:
                                            f"got {value!r}", name)
         req = ClientRequest(path, body, estimate_tokens(body), RequestTiming(arrival, arrival_unix=time.time()), parsed)
         if tracing.enabled():
-            req.span = tracing.start("pdserve.request", tracing.incoming(raw.headers), start_s=arrival, server=True,
-                                     attributes={"pdserve.request_id": req.request_id, "pdserve.mode": self.config.mode,
-                                                 "http.route": path})
+            req.span = tracing.start("pdserve.request", tracing.incoming(raw.headers), req.request_id,
+                                     {"pdserve.mode": self.config.mode, "http.route": path}, arrival, server=True)
         if self.recent is not None:
             self.recent.start(req.request_id, lambda: self._record(req, "running"))
         try:

@@ -59,9 +59,10 @@ class ClientRequest:
         node's spans its children."""
         if self.span is None:
             return None
-        span = tracing.start(name, tracing.traceparent_of(self.span), {"pdserve.node": node_url})
+        span = tracing.start(name, tracing.traceparent_of(self.span), self.request_id, {"pdserve.node": node_url})
         self.open_spans.append(span)
-        return {"traceparent": tracing.traceparent_of(span)}
+        # (the node's spans name the proxy's id too)
+        return {"traceparent": tracing.traceparent_of(span), "x-pdserve-request-id": self.request_id}
 
 
 def read_node_report(response: httpx.Response, timing: RequestTiming) -> None:
