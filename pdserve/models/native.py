@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("bindings.cpp", "amx.cpp", "paged_decode_attention.cpp", "prefill_attention.cpp",
                                    "fused_ops.cpp", "int8_head.cpp", "int4_linear.cpp", "decode_stack.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "kernels.h", CSRC / "amx.h"]
+HEADERS = [CSRC / "vec_math.h", CSRC / "kernels.h", CSRC / "bindings.h", CSRC / "amx.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 MODULE_NAME = "pdserve_native"
 AMX_ENV = "PDSERVE_AMX"  # "0": pdserve's kernels leave AMX's tiles alone (to compare, or to rule them out)

@@ -1,7 +1,7 @@
 // The Python module of pdserve's C++ kernels (built by pdserve/models/native.py).
 
 #include "amx.h"
-#include "kernels.h"
+#include "bindings.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)",

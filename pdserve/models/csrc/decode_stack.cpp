@@ -6,7 +6,7 @@
 //
 // Each kernel call is a profiler range (`native::...`), so the step profile still sees them.
 
-#include "kernels.h"
+#include "bindings.h"
 
 #include <ATen/record_function.h>
 

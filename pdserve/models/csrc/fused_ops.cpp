@@ -7,6 +7,7 @@
 // replace, op by op (a bf16 product is rounded to bf16): computed in float32 instead, a bf16 model's
 // greedy answer moved away from transformers' at a near-tie.
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>

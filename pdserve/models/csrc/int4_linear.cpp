@@ -17,7 +17,7 @@
 // order. Where the CPU has AMX, 2 rows or more run on tiles (below), whose sums are ordered otherwise:
 // a row's result then depends on whether it came alone, unless the caller asks for `rows_alone`.
 
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 

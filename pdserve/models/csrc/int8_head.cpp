@@ -9,7 +9,7 @@
 // A row's result depends on that row and the weights only (one fixed reduction order per K), not on
 // how many rows come with it. Rows share each weight group while it is in L1 (decode is memory-bound).
 
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,12 +1,12 @@
 // The kernels of pdserve's C++ extension, for the module's bindings and for each other.
 #pragma once
 
-#include <torch/extension.h>
-
-// Every kernel is bound without the GIL, as torch's own ops are: a node's engine steps on one
-// thread while its HTTP event loop and KV side channels run on others, and a step held under the
-// GIL (DecodeStack: the whole decode step) would stop them all until it ends.
-using without_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+// ATen's tensor and the ops the kernels call, not torch/extension.h: that header (autograd, the
+// C++ frontend, pybind11) took ~20 s of compiling per translation unit; only the two that bind
+// Python (bindings.cpp, decode_stack.cpp) include it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, at::Tensor& out, double scale, int64_t partition_blocks,
@@ -23,5 +23,4 @@ at::Tensor int8_head(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #if defined(__AVX512BF16__)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_zeros,
                        bool rows_alone = false);
-void bind_decode_stack(pybind11::module& m);
 #endif

@@ -10,6 +10,7 @@
 // Built for the machine it runs on (-march=native, cached per CPU in pdserve/models/native.py);
 // the SDPA path in attention.py stays the portable one.
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
@@ -387,7 +388,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const
   at::Tensor q, q_hi, q_lo;
   if (bf16_dots) {
     q_hi = query.to(at::kBFloat16).contiguous();
-    if (query.scalar_type() != at::kBFloat16) q_lo = (query.to(at::kFloat) - q_hi.to(at::kFloat)).to(at::kBFloat16).contiguous();
+    if (query.scalar_type() != at::kBFloat16) q_lo = query.to(at::kFloat).sub(q_hi.to(at::kFloat)).to(at::kBFloat16).contiguous();
   } else {
     q = query.to(at::kFloat).mul(scale).contiguous();
   }

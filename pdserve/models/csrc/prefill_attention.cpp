@@ -12,6 +12,7 @@
 // and 6 rows a pass (head size 64) ran 1.75-1.8x tiles of 32 and 2 rows on an AMD EPYC (Zen 5):
 // the per-tile softmax work (a horizontal max, the rescale) is spread over more dot products.
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>

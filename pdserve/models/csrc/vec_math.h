@@ -2,7 +2,8 @@
 // them, and exp_nonpositive on 16 AVX-512 lanes.
 #pragma once
 
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
