@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# itl: a request's longest gap between two tokens after the first (a TPOT SLO is a mean over the
-# answer and absorbs a stall of seconds; this one sees it).
-SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "max_itl_ms", "e2el": "e2el_ms"}
+from pdserve.proxy.slo import SLO_METRICS, meets
 
 
 @dataclass
@@ -210,25 +208,21 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     slos: dict[str, float] = {}
     for item in items or []:
         key, _, value = item.partition(":")
-        if key not in SLO_KEYS:
-            raise ValueError(f"--goodput {item!r}: the metric must be one of {sorted(SLO_KEYS)}")
+        if key not in SLO_METRICS:
+            raise ValueError(f"--goodput {item!r}: the metric must be one of {sorted(SLO_METRICS)}")
         try:
-            slos[SLO_KEYS[key]] = float(value)
+            slos[SLO_METRICS[key]] = float(value)
         except ValueError:
             raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
-        if slos[SLO_KEYS[key]] <= 0:
+        if slos[SLO_METRICS[key]] <= 0:
             raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
     return slos
 
 
 def goodput_items(slos: dict[str, float]) -> list[str]:
     """parse_goodput's inverse: {"ttft_ms": 500, ...} -> ["ttft:500.0", ...] (for --slo / --goodput)."""
-    names = {field: key for key, field in SLO_KEYS.items()}
+    names = {field: key for key, field in SLO_METRICS.items()}
     return [f"{names[field]}:{ms:.1f}" for field, ms in slos.items()]
-
-
-def meets(result: RequestResult, slos: dict[str, float]) -> bool:
-    return result.ok and all(getattr(result, key) <= limit for key, limit in slos.items())
 
 
 def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:

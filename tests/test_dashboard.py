@@ -17,9 +17,11 @@ import httpx
 import pytest
 from servers import MODEL, NODE, Procs, start_pdserve
 
-from pdserve.proxy.cluster import NodeLoad
+from pdserve.proxy.cluster import MetricsPage, NodeLoad
 from pdserve.proxy.records import RecentRequests, record_of
+from pdserve.proxy.slo import meets
 from pdserve.proxy.timing import RequestTiming
+from pdserve.workload import RequestResult
 
 # -- the pieces --------------------------------------------------------------------------------------
 
@@ -60,6 +62,24 @@ def test_a_push_record_shows_only_the_transfer_past_ps_prefill_and_a_colocated_o
     assert r.ttft_ms is None and r.transfer is None and r.segments[-1].end_ms == pytest.approx(500)
 
 
+def test_the_proxy_judges_a_record_against_the_slos_as_bench_judges_its_result():
+    """One rule (proxy/slo.py) for the dashboard's goodput and bench's: the same measured values meet
+    or miss each SLO the same way in a RequestRecord and a RequestResult; an error meets none."""
+    t = pull_timing()
+    t.first_byte, t.done = 100.25, 101.0  # TTFT 250 ms, e2e 1000 ms
+    record = record_of("r", "/v1/completions", "pull", True, t, "ok", 200)
+    record.tpot_ms = record.max_itl_ms = 50.0
+    result = RequestResult(True, 10, 2, ttft_ms=250.0, e2el_ms=1000.0, itls_ms=[750.0])  # 2 tokens: TPOT 750 ms
+    result_same = RequestResult(True, 10, 16, ttft_ms=250.0, e2el_ms=1000.0, itls_ms=[50.0] * 15)
+    assert (record.ttft_ms, record.e2el_ms, result_same.tpot_ms, result_same.max_itl_ms) == (250.0, 1000.0, 50.0, 50.0)
+    for slos in ({"ttft_ms": 251}, {"ttft_ms": 249}, {"tpot_ms": 50}, {"max_itl_ms": 49}, {"e2el_ms": 1000},
+                 {"e2el_ms": 999, "ttft_ms": 400}, {}):
+        assert meets(record, slos) == meets(result_same, slos) == RecentRequests(slos).meets(record), slos
+    assert meets(result, {"tpot_ms": 100}) is False and meets(record, {"tpot_ms": 100}) is True
+    failed = record_of("e", "/v1/completions", "pull", True, t, "error", 502)
+    assert not meets(failed, {}) and not meets(RequestResult(False, 10, 0), {})
+
+
 def test_recent_requests_keep_a_bounded_ring_and_window_percentiles_and_goodput_against_the_slos():
     recent = RecentRequests({"ttft_ms": 150.0}, keep=3, window_s=10.0)
     recent.started -= 10.0  # as if running for the whole window
@@ -95,8 +115,8 @@ def test_node_load_turns_counters_into_rates_between_two_polls():
             "# TYPE pdserve:kv_transfer_bytes counter\n"
             'pdserve:kv_transfer_bytes_total{{direction="sent",transport="tcp"}} {sent}\n'
             'pdserve:kv_transfer_bytes_total{{direction="sent",transport="shm"}} 100.0\n')
-    first = NodeLoad.read(page.format(gen=10, busy=1.0, sent=0), None, now=50.0)
-    second = NodeLoad.read(page.format(gen=110, busy=2.5, sent=4e6), first, now=52.0)
+    first = NodeLoad.read(MetricsPage.parse(page.format(gen=10, busy=1.0, sent=0)), None, now=50.0)
+    second = NodeLoad.read(MetricsPage.parse(page.format(gen=110, busy=2.5, sent=4e6)), first, now=52.0)
     assert first.rates == {} and second.describe() == {"kv_blocks_used": 7.0, "decode_tokens_per_s": 50.0,
                                                        "utilisation": 0.75, "kv_sent_bytes_per_s": 2e6}
 

@@ -34,7 +34,8 @@ from pdserve.benchmarks.report import publish
 from pdserve.bench_serving import answer_tokenizer, run_benchmark
 from pdserve.platform import plan_kernels
 from pdserve.procs import Child, ProcessGroup, up_child
-from pdserve.workload import (BenchRequest, meets, mixed_dataset, multiturn_dataset, named_dataset, random_dataset,
+from pdserve.proxy.slo import meets
+from pdserve.workload import (BenchRequest, mixed_dataset, multiturn_dataset, named_dataset, random_dataset,
                               summarize)
 
 LONG_INPUT, LONG_OUTPUT, SHORT_INPUT, SHORT_OUTPUT = 2048, 64, 128, 128

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 # counter -> the rate it becomes (per second between two polls)
 RATES = {"pdserve:prefill_tokens_computed": "prefill_tokens_per_s", "pdserve:generation_tokens": "decode_tokens_per_s",
@@ -20,6 +21,25 @@ KV_BYTES = "pdserve:kv_transfer_bytes_total"  # by direction (sent | received) a
 
 
 @dataclass
+class MetricsPage:
+    """A node's /metrics page, parsed once per poll for everyone who reads it."""
+
+    samples: list[Sample]
+
+    @classmethod
+    def parse(cls, text: str) -> MetricsPage:
+        return cls([sample for family in text_string_to_metric_families(text) for sample in family.samples])
+
+    def value(self, name: str) -> float:
+        """The unlabelled sample `name` (0 when absent)."""
+        return next((s.value for s in self.samples if s.name == name and not s.labels), 0.0)
+
+    def labels(self, name: str) -> dict[str, str]:
+        """The labels of the first sample `name` (an info metric's), {} when absent."""
+        return next((dict(s.labels) for s in self.samples if s.name == name), {})
+
+
+@dataclass
 class NodeLoad:
     """One poll of a node's metrics, with the rates since the poll before it."""
 
@@ -29,17 +49,16 @@ class NodeLoad:
     rates: dict[str, float] = field(default_factory=dict)  # RATES' names, kv_{sent,received}_bytes_per_s
 
     @classmethod
-    def read(cls, metrics_text: str, before: NodeLoad | None, now: float | None = None) -> NodeLoad:
+    def read(cls, page: MetricsPage, before: NodeLoad | None, now: float | None = None) -> NodeLoad:
         load = cls(at=time.monotonic() if now is None else now)
-        for family in text_string_to_metric_families(metrics_text):
-            for sample in family.samples:
-                if sample.name in GAUGES:
-                    load.values[GAUGES[sample.name]] = sample.value
-                elif sample.name.endswith("_total") and sample.name.removesuffix("_total") in RATES:
-                    load.totals[sample.name.removesuffix("_total")] = sample.value
-                elif sample.name == KV_BYTES:
-                    key = f"kv_{sample.labels.get('direction', '')}_bytes"
-                    load.totals[key] = load.totals.get(key, 0.0) + sample.value
+        for sample in page.samples:
+            if sample.name in GAUGES:
+                load.values[GAUGES[sample.name]] = sample.value
+            elif sample.name.endswith("_total") and sample.name.removesuffix("_total") in RATES:
+                load.totals[sample.name.removesuffix("_total")] = sample.value
+            elif sample.name == KV_BYTES:
+                key = f"kv_{sample.labels.get('direction', '')}_bytes"
+                load.totals[key] = load.totals.get(key, 0.0) + sample.value
         if before is not None and load.at > before.at:
             span = load.at - before.at
             for counter, total in load.totals.items():

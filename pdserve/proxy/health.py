@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from pdserve.proxy.client import NodeClient, NodeError
-from pdserve.proxy.cluster import NodeLoad
+from pdserve.proxy.cluster import MetricsPage, NodeLoad
 from pdserve.proxy.membership import Membership, NodesFile
 from pdserve.proxy.policies import Node
 from pdserve.proxy.speed import DecodeWindow
@@ -17,6 +15,7 @@ from pdserve.proxy.speed import DecodeWindow
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+ENGINE_INFO = "pdserve:engine_info"
 
 
 class HealthPoller:
@@ -43,30 +42,18 @@ class HealthPoller:
         node.record_check(ok, self.max_failures)
         if node.healthy != was_healthy:
             logger.warning("%s node %s %s", node.role, node.url, "is back" if node.healthy else "left rotation")
-        used, total = sample(text, "pdserve:kv_blocks_used"), sample(text, "pdserve:kv_blocks_total")
-        if total:
-            node.kv_usage = used / total
-        if text:  # a node restarted at the same URL may run another dtype
-            node.engine = engine_info(text)
-            node.load = NodeLoad.read(text, node.load)
-            node.speed.count_decode_steps(DecodeWindow(
-                int(sample(text, "pdserve:decode_steps_total")), sample(text, "pdserve:decode_step_seconds_total"),
-                int(sample(text, "pdserve:decode_step_seqs_total")),
-                int(sample(text, "pdserve:decode_step_kv_tokens_total"))))
-
-
-def sample(metrics_text: str, name: str) -> float:
-    """One unlabelled sample from a Prometheus text page (0 when absent)."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+        if not text:
+            return
+        page = MetricsPage.parse(text)  # once: every reading below comes from it
+        node.load = NodeLoad.read(page, node.load)
+        if total := node.load.values.get("kv_blocks_total"):
+            node.kv_usage = node.load.values.get("kv_blocks_used", 0.0) / total
+        node.engine = page.labels(ENGINE_INFO)  # a node restarted at the same URL may run another dtype
+        node.speed.count_decode_steps(DecodeWindow(
+            int(page.value("pdserve:decode_steps_total")), page.value("pdserve:decode_step_seconds_total"),
+            int(page.value("pdserve:decode_step_seqs_total")), int(page.value("pdserve:decode_step_kv_tokens_total"))))
 
 
 def engine_info(metrics_text: str) -> dict[str, str]:
     """What a node runs on (device, ISA, dtype, kernels, quantization): the labels of its pdserve:engine_info."""
-    for family in text_string_to_metric_families(metrics_text):
-        for s in family.samples:
-            if s.name == "pdserve:engine_info":
-                return dict(s.labels)
-    return {}
+    return MetricsPage.parse(metrics_text).labels(ENGINE_INFO)

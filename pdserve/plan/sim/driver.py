@@ -13,7 +13,8 @@ from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.proxy import Prompt, SimProxy
 from pdserve.plan.sim.setup import Batching, Setup
 from pdserve.plan.sim.tracker import Tracker
-from pdserve.workload import BenchRequest, arrival_gaps, conversations, meets, summarize
+from pdserve.proxy.slo import meets
+from pdserve.workload import BenchRequest, arrival_gaps, conversations, summarize
 
 
 def prompts_of(requests: list[BenchRequest], seed: int) -> list[list[int]]:
