@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import available
 from pdserve.plan.fit import fit_linear
-from pdserve.plan.profile import Profile, decode_features
+from pdserve.plan.profile import Profile, corun_factors, decode_features
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
 from pdserve.platform import KERNELS_ENV
 from pdserve.proxy.costs import CostModel
@@ -92,9 +94,9 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     data = json.loads(out.read_text())
     assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "speed", "serving",
                          "corun"}
-    # Beside a twin engine on the other core: measured, and no faster than alone by more than noise.
-    assert set(profile.corun) == {"prefill", "decode"} and all(f > 0.8 for f in profile.corun.values())
-    assert "beside another busy core of this host" in stdout
+    # --quick leaves the co-run factors out (only `simulate --one-host` reads them), and says so.
+    assert profile.corun == {"prefill": 1.0, "decode": 1.0} and profile.meta["corun_measured"] is False
+    assert "beside another busy core of this host: not measured (--quick" in stdout
     assert profile.speed["prefill_s"] > profile.speed["decode_s"] > 0  # a 512-token chunk against one decode step
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
     assert len(samples["serving_probes"]) == 6 and all(p["ttft_s"] > 0 for p in samples["serving_probes"])
@@ -118,6 +120,28 @@ def test_refit_fits_the_recorded_samples_again_without_measuring(quick_profile, 
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--refit", str(tmp_path / "bare.json"),
                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "holds no samples to fit again" in proc.stderr
+
+
+def test_corun_factors_time_this_engine_beside_a_twin_computing_on_the_other_core(random_llama, quick_profile,
+                                                                                    tmp_path):
+    """The full profile's co-run factors, on a small model: speed_index alone on one core, then with a
+    twin engine busy on the other; about 1 where the cores do not slow each other, never far below.
+    A --quick profile has none, and `simulate --one-host` on it says that it assumes none."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no other core to run the twin on")
+    config = EngineConfig(model=random_llama, dtype="float32", threads=1, kv_cache_memory_gib=0.05)
+    engine = LLMEngine(config)
+    try:
+        factors = corun_factors(engine, config, seed=3000)
+    finally:
+        engine.close()
+    assert set(factors) == {"prefill", "decode"} and all(0.8 < f < 5.0 for f in factors.values()), factors
+    out, _ = quick_profile
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "simulate", "--profile", str(out), "--setup",
+                           "colocated:2", "--one-host", "--num-prompts", "4", "--request-rate", "1", "--out",
+                           str(tmp_path / "sim.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "did not measure the co-run factors" in proc.stderr
 
 
 def test_profile_cli_names_a_bad_argument():

@@ -63,6 +63,9 @@ class ProfilePoints:
     max_decode_kv_tokens: int  # skip (batch, context) points whose prefill would cost more
     transfer_mib: list[int]
     startup_runs: int
+    # The co-run factors (plan/corun.py): a twin engine started on another core, ~35 s. Only
+    # `simulate --one-host` and simcheck read them, not auto mode, which measures --quick at start.
+    corun: bool = True
 
     @classmethod
     def full(cls) -> ProfilePoints:
@@ -71,7 +74,7 @@ class ProfilePoints:
 
     @classmethod
     def quick(cls) -> ProfilePoints:
-        return cls([16, 128, 512, 1024], [256, 1024], [1, 4, 8], [128, 1024], 6, 8192, [4, 16], 1)
+        return cls([16, 128, 512, 1024], [256, 1024], [1, 4, 8], [128, 1024], 6, 8192, [4, 16], 1, corun=False)
 
 
 @dataclass
@@ -301,7 +304,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         prefill = measure_prefill(engine, points, seed)
         decode = measure_decode(engine, points, seed + 1000, node["kv_capacity_tokens"])
         speed = speed_index(engine, seed + 2000)
-        corun = corun_factors(engine, config, seed + 3000)
+        corun = corun_factors(engine, config, seed + 3000) if points.corun else None
         labels = engine.labels()
         model = engine.model_dir.name
     finally:
@@ -312,12 +315,12 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     cpu = CpuInfo.detect()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "engine": labels,
-            "node": node, "quick": points == ProfilePoints.quick()}
+            "node": node, "quick": points == ProfilePoints.quick(), "corun_measured": corun is not None}
     samples = {"prefill": prefill, "decode": decode, "transfer": transfers,
                "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]}
     profile = fitted(meta, samples, statistics.median(s["startup_s"] for s in starts))
     profile.speed = speed
-    profile.corun = corun
+    profile.corun = corun or dict(NO_CORUN)
     return profile
 
 
@@ -388,8 +391,12 @@ def describe(profile: Profile) -> str:
     lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop, "
                  f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
-    lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
-                 f"decode x{profile.corun['decode']:.2f}")
+    if profile.meta.get("corun_measured", True):
+        lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
+                     f"decode x{profile.corun['decode']:.2f}")
+    else:
+        lines.append("  beside another busy core of this host: not measured (--quick; `simulate --one-host` "
+                     "takes x1.00)")
     lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
                  f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")
     return "\n".join(lines)
