@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -93,6 +95,27 @@ def test_16_concurrent_greedy_requests_match_offline_engine(client, llm_fp32):
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         got = list(pool.map(ask, range(16)))
     assert got == expected
+
+
+def test_an_idle_keep_alive_connection_is_still_answered_after_a_clients_pool_expiry(node):
+    """A connection idle 6 s (past uvicorn's default 5 s keep-alive, which httpx's pool also keeps a
+    connection for) still carries the next request: the server does not close it under a client about
+    to reuse it. With the default, a `generate` benchmark lost a request to that race (ReadError)."""
+    host, port = urlsplit(node.url).hostname, urlsplit(node.url).port
+
+    def get_health(sock: socket.socket) -> bytes:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the connection; read so far: {answer!r}"
+            answer += chunk
+        return answer
+
+    with socket.create_connection((host, port), timeout=10) as sock:
+        assert get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)
+        assert get_health(sock).startswith(b"HTTP/1.1 200")
 
 
 def test_disconnect_mid_stream_frees_kv_blocks(node):

@@ -38,6 +38,14 @@ class _GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
+# How long an idle client connection stays open. uvicorn's default, 5 s, is httpx's pool expiry too:
+# a client that reused its pooled connection after 5 s idle raced the server closing it, and the
+# request was lost (ReadError, no answer). Longer than common clients' pool expiry (httpx 5 s,
+# aiohttp 15 s, the proxy's own NodeClient 30 s), so that the client closes first (nginx's default).
+KEEP_ALIVE_S = 75
+
+
 def serve_app(app, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     _GracefulServer(config).run()

@@ -30,7 +30,8 @@ class NodeClient:
         self._http: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> NodeClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # A pooled connection idle 30 s is dropped here before a node's server closes it (KEEP_ALIVE_S).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=30.0)
         self._http = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers)
         return self
 
