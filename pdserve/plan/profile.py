@@ -63,8 +63,8 @@ class ProfilePoints:
     max_decode_kv_tokens: int  # skip (batch, context) points whose prefill would cost more
     transfer_mib: list[int]
     startup_runs: int
-    # The co-run factors (plan/corun.py): a twin engine started on another core, ~35 s. Only
-    # `simulate --one-host` and simcheck read them, not auto mode, which measures --quick at start.
+    # The co-run factors (plan/corun.py): a twin engine loaded on another core and timed beside.
+    # Only `simulate --one-host` and simcheck read them, not auto mode, which measures --quick at start.
     corun: bool = True
 
     @classmethod
