@@ -418,7 +418,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                     decode_max_seqs=args.decode_max_num_seqs, prefill_threads=args.prefill_threads,
                     decode_threads=args.decode_threads)
     profile = Profile.load(args.profile)
-    if args.one_host and not profile.meta.get("corun_measured", True):
+    if args.one_host and not profile.corun_measured:
         logging.getLogger("pdserve").warning("--one-host: %s did not measure the co-run factors (a --quick "
                                              "profile): no node is slowed by the others", args.profile)
     slos, rate, requests = workload_from_args(args)

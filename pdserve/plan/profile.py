@@ -96,6 +96,11 @@ class Profile:
     # core of this host (plan/corun.py): nodes that share a host, as `pdserve up` starts them.
     corun: dict = field(default_factory=lambda: dict(NO_CORUN))
 
+    @property
+    def corun_measured(self) -> bool:
+        """False for a --quick profile, whose `corun` is NO_CORUN by default (older profiles measured it)."""
+        return self.meta.get("corun_measured", True)
+
     def prefill_time(self, prompt_tokens: int, chunk_size: int, cached_tokens: int = 0) -> float:
         """Predicted seconds to prefill a prompt in chunks of `chunk_size` after `cached_tokens`."""
         total, done = 0.0, cached_tokens
@@ -391,7 +396,7 @@ def describe(profile: Profile) -> str:
     lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop, "
                  f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
-    if profile.meta.get("corun_measured", True):
+    if profile.corun_measured:
         lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
                      f"decode x{profile.corun['decode']:.2f}")
     else:
