@@ -51,3 +51,22 @@ def remove_dead_pools() -> list[str]:
             except FileNotFoundError:  # another process removed it first
                 pass
     return removed
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU time the process has used so far (its own threads, not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (children, their children, ...)."""
+    out, todo = [], children(pid)
+    while todo:
+        out.append(todo.pop())
+        todo += children(out[-1])
+    return out
+
+
+def command_line(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")

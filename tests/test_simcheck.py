@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import httpx
 import pytest
 from test_plan_simulator import known_profile
 
+from pdserve.benchmarks.host_load import against_profile, decode_counters
 from pdserve.benchmarks.simcheck import errors, idle_level, within_targets
+from pdserve.procinfo import cpu_seconds, descendants
 
 REAL = {"median_ttft_ms": 400.0, "p99_ttft_ms": 5000.0, "median_tpot_ms": 30.0, "p99_tpot_ms": 80.0,
         "request_throughput": 0.5, "slo_attainment": 0.8}
@@ -33,3 +40,54 @@ def test_an_idle_node_sets_the_level_of_the_profiles_costs():
     assert level == pytest.approx({"prefill": 1.5, "decode": 0.8})
     scaled = profile.scaled(level)
     assert scaled.prefill_time(2048, 512) == pytest.approx(1.5 * profile.prefill_time(2048, 512))
+
+
+def test_a_nodes_decode_counters_count_its_decode_only_steps(fp32_node):
+    """What simcheck reads of each node under load: an 8-token answer on an idle node is one
+    prefill step (it samples the first token) and 7 decode-only steps of one sequence."""
+    def read() -> dict[str, float]:
+        return decode_counters(httpx.get(fp32_node.url + "/metrics", timeout=10).text)
+
+    before = read()
+    body = {"prompt": [1] * 20, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    httpx.post(fp32_node.url + "/v1/completions", json=body, timeout=60).raise_for_status()
+    run = {k: v - before[k] for k, v in read().items()}
+    assert run["decode_steps"] == 7 and run["decode_step_seqs"] == 7
+    assert 7 * 20 < run["decode_step_kv_tokens"] <= 7 * 28  # the prompt and the tokens sampled so far
+    assert run["decode_step_seconds"] > 0
+
+
+def test_cpu_seconds_of_every_process_below_one():
+    """A grandchild that computes for 0.5 s, then sleeps: found below its grandparent, and its CPU
+    time read while it lives."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(60)"
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            below = descendants(parent.pid)
+            if below and cpu_seconds(below[0]) >= 0.5:
+                break
+            time.sleep(0.1)
+        assert len(below) == 1 and 0.5 <= cpu_seconds(below[0]) < 2.0
+        assert cpu_seconds() > 0  # this process's own
+    finally:
+        for pid in descendants(parent.pid):
+            subprocess.run(["kill", str(pid)])
+        parent.wait(timeout=30)
+
+
+def test_a_runs_load_read_against_the_profile():
+    """Steps 10 % slower than the profile's at the node's mean batch, and CPU per streamed token."""
+    profile = known_profile()
+    step = profile.decode_step_time(4, 1000)
+    load = {"wall_s": 10.0, "cpu_s": {"proxy": 1.0, "node": 12.0, "client": 0.5},
+            "decode": {"http://n1": {"decode_steps": 100, "decode_step_seconds": 100 * 1.1 * step,
+                                     "decode_step_seqs": 400, "decode_step_kv_tokens": 100_000},
+                       "http://n2": dict.fromkeys(("decode_steps", "decode_step_seconds", "decode_step_seqs",
+                                                   "decode_step_kv_tokens"), 0.0)}}
+    reading = against_profile(load, profile, output_tokens=500)
+    assert reading["decode_step_over_profile"] == [pytest.approx(1.1)]  # none for a node that never decoded
+    assert reading["cpu_s_per_token"] == pytest.approx({"proxy": 0.002, "client": 0.001})
+    assert reading["node_cpu_share"] == pytest.approx(0.6)

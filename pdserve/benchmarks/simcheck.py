@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pdserve.benchmarks import host_load
 from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import (
     LONG_INPUT,
@@ -233,9 +234,13 @@ def main() -> None:
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
                               "speed": speed, "drift": drift, "cost_factors": factors,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
-        for rate, err in zip(args.rates, res["setups"][key]["errors"]):
+        for rate, err, point in zip(args.rates, res["setups"][key]["errors"], real):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
+            if "host_load" in point:  # runs recorded since host_load was
+                point["host_reading"] = host_load.against_profile(point["host_load"], profile.scaled(factors),
+                                                                  point["total_output_tokens"])
+                print(f"[{key}] rate {rate}: {host_load.line(point['host_reading'])}", flush=True)
     if engine:
         engine.close()
     if base:  # the setups run again replace theirs; the rest stay as that run measured them

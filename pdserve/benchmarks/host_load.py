@@ -1,0 +1,78 @@
+"""What a benchmark run cost the host beyond the engines' own steps: the CPU seconds the proxy, the
+nodes and the in-process client used over the run, and each node's decode-only steps (count, time,
+sequences, KV tokens) as its engine measured them. With nodes and serving processes on one host's
+cores, the proxy's and client's per-token work runs on the nodes' cores; read against the
+profile's step costs, the decode counters show how much slower an engine stepped under load."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.plan.profile import Profile
+from pdserve.procinfo import command_line, cpu_seconds, descendants
+
+DECODE_COUNTERS = ("decode_steps", "decode_step_seconds", "decode_step_seqs", "decode_step_kv_tokens")
+
+
+def decode_counters(metrics_text: str) -> dict[str, float]:
+    values = dict.fromkeys(DECODE_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        name = family.name.removeprefix("pdserve:")
+        if name in values:
+            values[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return values
+
+
+def _role(pid: int) -> str:
+    args = command_line(pid)
+    return "proxy" if "proxy" in args else "node"
+
+
+def read(up_pid: int, proxy_url: str) -> dict:
+    """A reading to diff: CPU seconds by role (proxy, node, client = this process), every node's
+    decode counters by URL, and the wall clock."""
+    cpu = {"proxy": 0.0, "node": 0.0, "client": cpu_seconds()}
+    for pid in descendants(up_pid):
+        try:
+            cpu[_role(pid)] += cpu_seconds(pid)
+        except (FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
+            pass
+    nodes = httpx.get(proxy_url + "/v1/nodes", timeout=10).json()["nodes"]
+    decode = {n["url"]: decode_counters(httpx.get(n["url"] + "/metrics", timeout=10).text) for n in nodes}
+    return {"wall_s": time.monotonic(), "cpu_s": cpu, "decode": decode}
+
+
+def delta(before: dict, after: dict) -> dict:
+    """What the run between two readings used: CPU seconds by role, and each node's decode counters."""
+    return {"wall_s": after["wall_s"] - before["wall_s"],
+            "cpu_s": {role: after["cpu_s"][role] - before["cpu_s"].get(role, 0.0) for role in after["cpu_s"]},
+            "decode": {url: {k: counters[k] - before["decode"].get(url, {}).get(k, 0.0) for k in counters}
+                       for url, counters in after["decode"].items()}}
+
+
+def against_profile(load: dict, profile: Profile, output_tokens: int) -> dict:
+    """A run's load read against `profile` (a Profile, at the run's cost level): each node's mean
+    decode step as measured, over the profile's step at that node's mean batch and KV (the ratio
+    says how much slower an engine stepped under load than alone), and the proxy's and the client's
+    CPU per streamed token."""
+    ratios = []
+    for counters in load["decode"].values():
+        steps = counters["decode_steps"]
+        if steps:
+            seqs, kv = counters["decode_step_seqs"] / steps, counters["decode_step_kv_tokens"] / steps
+            ratios.append(counters["decode_step_seconds"] / steps / profile.decode_step_time(max(round(seqs), 1), kv))
+    per_token = {role: load["cpu_s"][role] / output_tokens if output_tokens else float("nan")
+                 for role in ("proxy", "client")}
+    return {"decode_step_over_profile": ratios, "cpu_s_per_token": per_token,
+            "node_cpu_share": load["cpu_s"]["node"] / load["wall_s"] / max(len(load["decode"]), 1)}
+
+
+def line(reading: dict) -> str:
+    ratios = ", ".join(f"x{r:.2f}" for r in reading["decode_step_over_profile"])
+    per_token = reading["cpu_s_per_token"]
+    return (f"decode steps under load over the profile's: {ratios or '-'}; CPU per streamed token: proxy "
+            f"{per_token['proxy'] * 1e3:.2f} ms, client {per_token['client'] * 1e3:.2f} ms; each node busy "
+            f"{reading['node_cpu_share']:.0%} of a core")
