@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import available
 from pdserve.plan.fit import fit_linear
+from pdserve.plan.measure import PROBE_TOKENS
 from pdserve.plan.profile import Profile, corun_factors, decode_features
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
 from pdserve.platform import KERNELS_ENV
@@ -101,6 +102,11 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
     assert len(samples["serving_probes"]) == 6 and all(p["ttft_s"] > 0 for p in samples["serving_probes"])
     assert 0 <= profile.serving["request_s"] < 1.0 and 0 <= profile.serving["step_s"] < 0.1
+    # Every streamed gap beyond its probe's median, sorted: the tail a long answer's longest gap draws from.
+    excess = profile.serving["gap_excess_s"]
+    assert len(excess) == 6 * (PROBE_TOKENS - 1) and excess == sorted(excess)
+    assert excess[len(excess) // 2] == pytest.approx(0.0, abs=1e-3) and excess[-1] > 0
+    assert "a streamed gap exceeds its stream's median by" in stdout
 
 
 def test_refit_fits_the_recorded_samples_again_without_measuring(quick_profile, tmp_path):

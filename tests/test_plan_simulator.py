@@ -511,3 +511,50 @@ def test_thread_profiles_load_by_thread_count_and_refuse_a_repeat(tmp_path):
     other.save(tmp_path / "qwen.json")
     with pytest.raises(ValueError, match="--thread-profile .*qwen.json: a profile of 'Qwen2-0.5B'"):
         thread_profiles([str(tmp_path / "qwen.json")], main)
+
+
+def test_a_streams_longest_gap_is_the_tail_of_the_probes_gaps():
+    """One gap in a hundred ran 20 ms long in the profile's probes: a 600-token answer then almost
+    surely meets one (1 - 0.99 ** 599 = 99.8 %), a 3-token one rarely (2 %); the engine's steps and
+    so the TTFTs and end times are unchanged. Without probe gaps (older profiles) nothing is added."""
+    profile = known_profile()
+    profile.serving = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "gap_excess_s": [0.0] * 990 + [0.020] * 10}
+
+    def longest(summary: dict) -> list[float]:
+        return [max(gaps) for gaps in summary["itls"]]
+
+    long = [BenchRequest([0], 100, 600) for _ in range(20)]
+    short = [BenchRequest([0], 100, 3) for _ in range(20)]
+    for requests, met in ((long, 19), (short, 0)):
+        plain = run("colocated:20", requests, rate=1.0)
+        jittered = run("colocated:20", requests, rate=1.0, profile=profile)
+        assert jittered["ttfts"] == plain["ttfts"] and jittered["e2els"] == plain["e2els"]
+        extra = [j - p for j, p in zip(longest(jittered), longest(plain))]
+        assert sum(e > 0.015 for e in extra) >= met and (met or sum(e > 0.015 for e in extra) <= 3)
+    # Each listed gap has its own draw: about one in a hundred of the long answers' is 20 ms longer
+    long_gaps = [g for request in run("colocated:20", long, rate=1.0, profile=profile)["itls"] for g in request]
+    assert 0.005 < sum(g > 0.040 for g in long_gaps) / len(long_gaps) < 0.02
+    # The planner's runs keep no gaps: the longest is drawn at once, as often, and seeded
+    plain = run("colocated:20", long, rate=1.0, itls=False)
+    planned = run("colocated:20", long, rate=1.0, profile=profile, itls=False)
+    # its mean gap (29 ms: a step grows from 26 to 32 ms over the answer) + 20 ms, over the last step's 32 ms
+    assert planned["median_max_itl_ms"] - plain["median_max_itl_ms"] == pytest.approx(17.0, abs=0.5)
+    assert run("colocated:20", long, rate=1.0, profile=profile, itls=False) == planned
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_kv_that_arrives_during_a_step_is_read_at_its_end(mode):
+    """The engine's loop reads finished transfers between steps: a prompt's KV that reaches a
+    decoding D mid-step starts (with P's first token, which the client then gets) when that step
+    ends. A (600 tokens) keeps D stepping; B's first token comes at one of A's token times, after
+    its KV arrived."""
+    a, b = BenchRequest([0], 100, 600), BenchRequest([0], 100, 20)
+    out = run(f"{mode}:1P1D", [a, b], rate=2.0)  # B about half a second after A: A is decoding on D
+    a_start, b_start = out["start_times"]
+    a_times = [a_start + out["ttfts"][0]]
+    for gap in out["itls"][0]:
+        a_times.append(a_times[-1] + gap)
+    b_first = b_start + out["ttfts"][1]
+    kv_arrived = b_start + 0.010 + 0.100 + 0.002 + 100 * KV_BYTES * 1e-9 * (1 if mode == "pull" else 0.1)
+    assert a_times[0] < b_first < a_times[-1] and b_first >= kv_arrived - 1e-9
+    assert min(abs(b_first - t) for t in a_times) < 1e-9  # a step boundary of D's

@@ -59,12 +59,14 @@ from pdserve.workload import goodput_items
 RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")
 MEDIANS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")  # the ones the 10 % target covers
 P99S = ("p99_ttft_ms", "p99_tpot_ms")  # within 20 %
+GAPS = ("median_max_itl_ms", "p99_max_itl_ms")  # each request's longest gap: reported, not a target
 SETUPS = {**STUDY_SETUPS, "e": StudySetup("e", "1P1D auto (cost)", ("--mode", "auto"), "auto:1P1D")}
 
 
 def errors(real: dict, simulated: dict) -> dict[str, float]:
     """(simulated - real) / real for each metric of RELATIVE; attainment as simulated - real, in points."""
-    out = {key: (simulated[key] - real[key]) / real[key] if real[key] else float("nan") for key in RELATIVE}
+    out = {key: (simulated[key] - real[key]) / real[key] if real.get(key) else float("nan")
+           for key in (*RELATIVE, *GAPS)}
     out["slo_attainment_points"] = (simulated["slo_attainment"] - real["slo_attainment"]) * 100
     return out
 
@@ -108,8 +110,8 @@ def idle_level(profile: Profile, idle: dict) -> dict[str, float]:
 def table(res: dict) -> str:
     lines = ["| setup | rate (/s) | median TTFT real / sim (ms) | p99 TTFT | median TPOT | p99 TPOT | "
              "throughput real / sim (req/s) | attainment real / sim (%) | errors (TTFT p50, p99, TPOT p50, p99, "
-             "throughput; attainment points) | within targets |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "throughput; attainment points) | within targets | longest gap p50, p99 real / sim (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, s in res["setups"].items():
         for rate, real, sim, err in zip(res["rates"], s["real"], s["simulated"], s["errors"]):
             pair = lambda k, fmt="{:.0f}": f"{fmt.format(real[k])} / {fmt.format(sim[k])}"  # noqa: E731
@@ -117,8 +119,15 @@ def table(res: dict) -> str:
             lines.append(f"| ({key}) {s['label']} | {rate:g} | {pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | "
                          f"{pair('median_tpot_ms')} | {pair('p99_tpot_ms')} | {pair('request_throughput', '{:.2f}')} | "
                          f"{real['slo_attainment'] * 100:.0f} / {sim['slo_attainment'] * 100:.0f} | {errs} | "
-                         f"{'yes' if within_targets(err) else 'no'} |")
+                         f"{'yes' if within_targets(err) else 'no'} | {gaps(real, sim)} |")
     return "\n".join(lines)
+
+
+def gaps(real: dict, sim: dict) -> str:
+    """The longest-gap cell: p50 and p99 of each request's longest gap, real / simulated."""
+    if not all(k in real for k in GAPS):
+        return "-"  # a run recorded before they were
+    return ", ".join(f"{real[k]:.0f} / {sim[k]:.0f}" for k in GAPS)
 
 
 def plot(res: dict, path: Path) -> None:

@@ -30,7 +30,9 @@ from pdserve.procs import Child, ProcessGroup
 from pdserve.workload import random_prompts
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
-PROBE_PROMPT, PROBE_TOKENS = 128, 32  # a probe's prompt and streamed output, in tokens
+# A probe's prompt and streamed output, in tokens: 6 probes x 127 gaps sample the tail of a streamed
+# gap (serving's gap_excess_s) as far as a 600-token answer's longest gap reaches.
+PROBE_PROMPT, PROBE_TOKENS = 128, 128
 
 
 def pool_shape(num_blocks: int) -> tuple[int, ...]:
@@ -168,7 +170,8 @@ def probe(url: str, prompt: list[int]) -> dict:
     if len(times) < 2:
         raise RuntimeError(f"probe: {len(times)} streamed chunks for {PROBE_TOKENS} tokens")
     return {"prompt_tokens": len(prompt), "reply_s": reply_s, "ttft_s": times[0] - start,
-            "tpot_s": (times[-1] - times[0]) / (PROBE_TOKENS - 1)}
+            "tpot_s": (times[-1] - times[0]) / (PROBE_TOKENS - 1),
+            "gaps_s": [round(b - a, 6) for a, b in zip(times, times[1:])]}
 
 
 if __name__ == "__main__":  # the P side of bench_backends

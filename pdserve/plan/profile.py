@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 TRANSFER_FEATURES = ["one", "bytes"]
-NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0}  # profiles from before they were measured
+NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "gap_excess_s": []}  # profiles from before them
 NO_CORUN = {"prefill": 1.0, "decode": 1.0}  # one core, or a profile from before it was measured
 
 
@@ -90,7 +90,9 @@ class Profile:
     speed: dict = field(default_factory=dict)
     # What serving over HTTP adds to the engine's costs, from probes of one idle node: request_s
     # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
-    # for streaming the tokens to the client (the first arrives that much later), step_s per step.
+    # for streaming the tokens to the client (the first arrives that much later), step_s per step;
+    # gap_excess_s: each streamed gap minus its probe's median gap, sorted (a stream's longest gap is
+    # the tail of these: the simulator's GapJitter).
     serving: dict = field(default_factory=lambda: dict(NO_SERVING))
     # How much slower (speed_index) prefill and decode run while a twin engine computes on another
     # core of this host (plan/corun.py): nodes that share a host, as `pdserve up` starts them.
@@ -371,7 +373,10 @@ def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
     request = statistics.median(p["reply_s"] - profile.prefill_chunk_time(p["prompt_tokens"], 0) for p in probes)
     stream = statistics.median(p["ttft_s"] - p["reply_s"] for p in probes)
     step = statistics.median(p["tpot_s"] - profile.decode_step_time(1, mid_context) for p in probes)
-    return {"request_s": max(request, 0.0), "stream_s": max(stream, 0.0), "step_s": max(step, 0.0)}
+    excess = sorted(round(gap - statistics.median(p["gaps_s"]), 6) for p in probes if p.get("gaps_s")
+                    for gap in p["gaps_s"])
+    return {"request_s": max(request, 0.0), "stream_s": max(stream, 0.0), "step_s": max(step, 0.0),
+            "gap_excess_s": excess}
 
 
 def describe(profile: Profile) -> str:
@@ -396,6 +401,11 @@ def describe(profile: Profile) -> str:
     lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop, "
                  f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
+    excess = profile.serving.get("gap_excess_s")
+    if excess:
+        at = [excess[min(int(q * len(excess)), len(excess) - 1)] * 1e3 for q in (0.5, 0.9, 0.99)]
+        lines.append(f"  a streamed gap exceeds its stream's median by {at[0]:.1f} / {at[1]:.1f} / {at[2]:.1f} / "
+                     f"{excess[-1] * 1e3:.1f} ms at p50 / p90 / p99 / max ({len(excess)} gaps)")
     if profile.corun_measured:
         lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
                      f"decode x{profile.corun['decode']:.2f}")

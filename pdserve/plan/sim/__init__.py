@@ -21,7 +21,8 @@ What it models, as pdserve does it:
   and max_num_seqs; KV blocks taken as tokens are computed; when a running request cannot get a
   block the newest one is preempted and later prefilled again with its output so far; a P node
   holds a pulled prompt's blocks until D has pulled them; a D node's blocks are reserved from
-  when it admits a request until its KV has arrived; steps that only decode a batch that does not
+  when it admits a request until its KV has arrived, which it reads between steps (a KV that
+  arrives mid-step waits for the step's end, as the engine's loop); steps that only decode a batch that does not
   change are one event (the scheduler's steady decode runs, cut at the step in progress when work
   or KV arrives); the prefix cache (hash-chained full blocks, shared while in use, evicted least
   recently freed first) when the workload has conversations, the setup is auto, or it is asked for;
@@ -31,7 +32,11 @@ What it models, as pdserve does it:
   each chunk, plus what the server adds per step; each HTTP hop (the proxy to a node, and D's
   push announcement to the proxy) adds the profile's per-request serving cost, and streaming
   delays every token the client sees by its stream cost; transfers: the profile's fit for the
-  transport, for the tokens D's connector asked for.
+  transport, for the tokens D's connector asked for;
+- the gaps a client sees beyond the steps (GapJitter): each listed gap, and each request's longest,
+  gets a draw from the streamed gaps the profile's probes saw beyond their median, so that a long
+  answer's longest gap is the tail of its many gaps, as on a real node (an ITL SLO judges it).
+  The draws are not fed back into the steps: TTFT, TPOT and the end time stay the engine's.
 
 Not modelled: the proxy's view of the caches lagging the nodes' events (the simulated index is
 exact), nor its /metrics scrape interval (KV usage is read live); a bench client's retokenized
@@ -49,7 +54,7 @@ from pdserve.plan.sim.events import Costs, Simulation
 from pdserve.plan.sim.node import DecodeRun, Job, SimNode
 from pdserve.plan.sim.proxy import Prompt, SimIndex, SimProxy
 from pdserve.plan.sim.setup import MODES, Batching, Setup
-from pdserve.plan.sim.tracker import Tracker
+from pdserve.plan.sim.tracker import GapJitter, Tracker
 
-__all__ = ["MODES", "Batching", "Costs", "DecodeRun", "Job", "Prompt", "Setup", "SimIndex",
+__all__ = ["MODES", "Batching", "Costs", "DecodeRun", "GapJitter", "Job", "Prompt", "Setup", "SimIndex",
            "SimNode", "SimProxy", "Simulation", "Tracker", "prompts_of", "simulate"]

@@ -12,7 +12,7 @@ from pdserve.plan.profile import Profile
 from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.proxy import Prompt, SimProxy
 from pdserve.plan.sim.setup import Batching, Setup
-from pdserve.plan.sim.tracker import Tracker
+from pdserve.plan.sim.tracker import GapJitter, Tracker
 from pdserve.proxy.slo import meets
 from pdserve.workload import BenchRequest, arrival_gaps, conversations, summarize
 
@@ -128,6 +128,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
     ids = prompts_of(requests, seed) if caching or turns or setup.mode == "auto" else [None] * len(requests)
     trackers: list[Tracker] = [None] * len(requests)  # type: ignore[list-item]
     watch = SLOWatch(sim, slos, len(requests), give_up_below) if give_up_below is not None and slos else None
+    jitter = GapJitter(sim.costs.gap_excess, random.Random(seed)) if sim.costs.gap_excess else None
 
     def arrive(rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, done) -> None:
         if watch is not None:
@@ -143,7 +144,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
         follows = then and requests[then[0]].conversation is not None
         answer = ids[then[0]][len(token_ids):len(token_ids) + req.output_len] if follows else []
         hashes = block_hashes(token_ids + answer, size) if caching else None
-        tracker = trackers[rid] = Tracker(req, at, [] if itls else None)
+        tracker = trackers[rid] = Tracker(req, at, [] if itls else None, jitter=jitter)
 
         def done(t: float) -> None:
             if watch is not None:

@@ -26,13 +26,15 @@ class Costs:
     step_serving: float  # what the server adds to every step (profile.serving)
     request_hop: float  # what one HTTP hop adds before a node starts a request
     stream_delay: float  # how much later than the engine the client sees a streamed token
+    gap_excess: tuple[float, ...] = ()  # a streamed gap beyond its stream's median, sorted (serving's gap_excess_s)
 
     @classmethod
     def of(cls, profile: Profile) -> Costs:
         p = dict(zip(profile.prefill_chunk.features, profile.prefill_chunk.coefficients))
         (a, b, c), hinges = decode_hinges(asdict(profile.decode_step))
         return cls(p["one"], p["tokens"], p["attention_pairs"], a, b, c, hinges,
-                   profile.serving["step_s"], profile.serving["request_s"], profile.serving["stream_s"])
+                   profile.serving["step_s"], profile.serving["request_s"], profile.serving["stream_s"],
+                   tuple(profile.serving.get("gap_excess_s", ())))
 
     def chunk(self, tokens: int, context_before: int) -> float:
         return self.chunk_fixed + tokens * (self.chunk_token + self.chunk_pair * (context_before + tokens / 2))

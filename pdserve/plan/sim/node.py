@@ -115,6 +115,7 @@ class SimNode:
     connector: KVConnectorScheduler | None = field(init=False)
     scheduler: Scheduler = field(init=False)
     jobs: dict[str, Job] = field(init=False, default_factory=dict)
+    arrived: list[Job] = field(init=False, default_factory=list)  # KV arrived during the step in progress
 
     def __post_init__(self) -> None:
         limits = self.batching
@@ -151,13 +152,23 @@ class SimNode:
 
     def kv_arrived(self, job: Job) -> None:
         """D: the KV the connector reserved blocks for has arrived (pulled, or its last layer pushed,
-        with P's first token: a placeholder id, as every simulated token)."""
+        with P's first token: a placeholder id, as every simulated token). The engine's loop reads
+        finished transfers between steps, so a KV that arrives during a step waits for its end (the
+        first token with it); an idle node takes it at once."""
+        if self.busy:
+            self.arrived.append(job)
+            if self.run is not None:
+                self._cut_run()
+            return
+        self._receive(job)
+        self._maybe_step()
+
+    def _receive(self, job: Job) -> None:
         push = job.kv_params.is_push
         result = TransferResult(str(job.request_id), None, "push" if push else "pull", first_token_id=0 if push else None)
         outputs = self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
         self._tokens(outputs, self.sim.now)  # D starts from P's first token, which the client gets now
         self._done(outputs, self.sim.now)
-        self._news()
 
     def release(self, job: Job) -> None:
         """P: D has pulled a held prompt's KV, so its blocks are freed (as the connector's worker
@@ -263,6 +274,9 @@ class SimNode:
     def _retire(self, outputs: list[RequestOutput], now: float) -> None:
         self._done(outputs, now)
         self.busy = False
+        arrived, self.arrived = self.arrived, []
+        for job in arrived:  # KV that arrived during the step: read between steps, as the engine's loop does
+            self._receive(job)
         self._maybe_step()
         if not self.busy and self.active:  # out of work: the host's other nodes speed up
             self.active = False

@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from pdserve.workload import BenchRequest, RequestResult
+
+
+@dataclass
+class GapJitter:
+    """What a streamed gap adds to the simulated step, drawn from what the profile's probes saw
+    (serving's gap_excess_s: each gap minus its stream's median, sorted). A simulated step is exact,
+    but a real stream's longest gap is the tail of hundreds of gaps (the engine loop, the node's
+    and the proxy's event loops, the OS's time slices): without it, an ITL SLO looked met by
+    requests whose real longest gap was twice as long."""
+
+    excess: Sequence[float]
+    rng: random.Random
+
+    def longest(self, mean_gap: float, gaps: int) -> float:
+        """The longest of `gaps` gaps of `mean_gap` plus a draw each: one draw of their maximum (the
+        u ** (1 / gaps) quantile of the excess, for u uniform)."""
+        if not self.excess or gaps < 1:
+            return mean_gap
+        quantile = self.rng.random() ** (1.0 / gaps)
+        return mean_gap + self.excess[min(int(quantile * len(self.excess)), len(self.excess) - 1)]
+
+    def add(self, gaps_ms: list[float]) -> list[float]:
+        """Each gap plus a draw of the excess (which may be negative: a gap after a late one is short)."""
+        if not self.excess:
+            return gaps_ms
+        return [max(g + e * 1e3, 0.0) for g, e in zip(gaps_ms, self.rng.choices(self.excess, k=len(gaps_ms)))]
 
 
 @dataclass
@@ -23,6 +50,8 @@ class Tracker:
     # Called once, when the longest gap first passes `limit` (auto's proxy counts such streams)
     limit: float = float("inf")
     on_past_limit: Callable[[], None] | None = None
+    jitter: GapJitter | None = None  # what the client's gaps add to the engine's (None: nothing)
+    _client_longest: float | None = None  # the longest gap with its jitter, drawn once
 
     def token(self, time: float) -> None:
         if self.first is None:
@@ -56,7 +85,20 @@ class Tracker:
             return RequestResult(ok=False, input_len=self.request.input_len, start=self.arrival,
                                  error="does not fit the KV pool of any node")
         gaps = [(a + g * j) * 1e3 for a, g, n in self.gaps for j in range(n)] if itls and self.gaps else []
+        if gaps and self.jitter is not None:
+            gaps = self.jitter.add(gaps)
         return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
                              output_len=self.count, ttft_ms=(self.first + delay - self.arrival) * 1e3,
                              e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival,
-                             longest_gap_ms=self.longest * 1e3)
+                             longest_gap_ms=max(gaps) if gaps else self.client_longest * 1e3)
+
+    @property
+    def client_longest(self) -> float:
+        """The longest gap as the client would see it: the engine's, or the mean gap plus the longest
+        jitter of as many gaps, drawn once (an early look and the result agree)."""
+        if self.jitter is None or self.count < 2:
+            return self.longest
+        if self._client_longest is None:
+            gaps = self.count - 1
+            self._client_longest = max(self.longest, self.jitter.longest((self.last - self.first) / gaps, gaps))
+        return self._client_longest
