@@ -9,21 +9,18 @@ from __future__ import annotations
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.plan.profile import Profile
 from pdserve.procinfo import command_line, cpu_seconds, descendants
+from pdserve.proxy.cluster import MetricsPage
 
 DECODE_COUNTERS = ("decode_steps", "decode_step_seconds", "decode_step_seqs", "decode_step_kv_tokens")
 
 
 def decode_counters(metrics_text: str) -> dict[str, float]:
-    values = dict.fromkeys(DECODE_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(metrics_text):
-        name = family.name.removeprefix("pdserve:")
-        if name in values:
-            values[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return values
+    """A node's decode-only step counters, read as the proxy's health poller reads them."""
+    page = MetricsPage.parse(metrics_text)
+    return {name: page.value(f"pdserve:{name}_total") for name in DECODE_COUNTERS}
 
 
 def _role(pid: int) -> str:
