@@ -134,18 +134,22 @@ def cluster(tmp_path_factory):
         yield procs
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    """A streamed completion through the proxy: its record id and the token events it carried."""
+def stream(url: str, prompt: str, max_tokens: int, headers: dict | None = None) -> tuple[str, int]:
+    """A streamed completion through the proxy: its record id and the token events it carried
+    (`headers`, if given, gets the answer's headers)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        if headers is not None:
+            headers.update(r.headers)
         return r.headers["x-pdserve-request-id"], len(events) - 1  # [DONE]
 
 
 def test_each_request_has_a_record_with_its_nodes_transfer_and_stages(cluster):
     proxy, p, d = cluster["proxy"].url, cluster["p"].url, cluster["d"].url
-    rid, chunks = stream(proxy, "The history of the Roman Empire " * 20, 16)
+    headers: dict = {}
+    rid, chunks = stream(proxy, "The history of the Roman Empire " * 20, 16, headers)
     record = httpx.get(f"{proxy}/v1/requests/{rid}").json()
     assert record["status"] == "ok" and record["mode"] == "pull" and record["output_chunks"] == chunks == 16
     assert record["prefill_node"] == p and record["decode_node"] == d
@@ -154,6 +158,12 @@ def test_each_request_has_a_record_with_its_nodes_transfer_and_stages(cluster):
     assert record["prompt_tokens"] > 100 and record["transfer"]["tokens"] == record["prompt_tokens"]
     assert record["transfer"]["bytes"] > 0 and record["transfer"]["transport"] == "tcp"
     assert record["transfer"]["blocks"] == -(-record["prompt_tokens"] // 16)  # the engine's 16-token blocks
+    # The answer's stage headers (bench records them) split P's answer to D's first token as the record does
+    stage = {s["stage"]: s for s in record["segments"]}
+    handoff = stage["decode_queue"]["start_ms"] - stage["prefill"]["end_ms"]
+    assert float(headers["x-pdserve-handoff-ms"]) == pytest.approx(handoff, abs=0.01) and handoff >= 0
+    queued = stage["decode_queue"]["end_ms"] - stage["decode_queue"]["start_ms"]
+    assert float(headers["x-pdserve-decode-queue-ms"]) == pytest.approx(queued, abs=0.01)
     spent = sum(s["end_ms"] - s["start_ms"] for s in record["segments"])
     assert spent == pytest.approx(record["e2e_ms"], rel=0.05)  # the hops between stages are small
     assert 0 < record["ttft_ms"] < record["e2e_ms"] and record["max_itl_ms"] >= record["tpot_ms"] > 0

@@ -85,6 +85,42 @@ def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
     assert push["ttfts"][0] == pytest.approx(3 * 0.050 + (0.110 + 0.002) + last_layer + 0.030)
 
 
+def test_simulated_requests_carry_the_stages_the_proxys_headers_split_ttft_into():
+    """As proxy/timing.py's x-pdserve-*-ms headers: a node's queue and prefill (pull and push: P's
+    answer as the proxy times it, from the client's arrival), D's queue, the KV wait that showed."""
+    profile = known_profile()
+    profile.serving = {"request_s": 0.050, "stream_s": 0.030, "step_s": 0.002}
+    colocated = run("colocated:1", [BenchRequest([0], 100, 3)], profile=profile)
+    assert colocated["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 112.0, "kv-load": 0.0})
+    pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
+    transfer_ms = 2 + 100 * KV_BYTES * 1e-6
+    assert pull["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 50 + 112, "handoff": 0.0,
+                                                  "decode-queue": 0.0, "kv-load": transfer_ms})
+    stages = pull["stages_ms"][0]  # with D's hop and the stream, they make up the TTFT
+    assert pull["ttfts"][0] * 1e3 == pytest.approx(sum(stages.values()) + 50 + 30)
+    push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
+    # P answers after D's hop, D's announcement and P's hop; D's wait for the last layer ends
+    # within P's answer (the proxy shows none of it)
+    assert push["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 3 * 50 + 112, "decode-queue": 0.0,
+                                                  "kv-load": 0.0})
+    busy = run("pull:1P1D", [BenchRequest([0], 100, 2), BenchRequest([0], 100, 2)], profile=profile)
+    assert busy["stages_ms"][1]["queue"] == pytest.approx(112.0)  # behind the first prompt on P
+
+
+def test_simulated_nodes_count_decode_only_steps_as_the_engine_does():
+    """pdserve:decode_steps and its sums (benchmarks/host_load.py reads both): a step that also
+    prefills is not counted; a steady run counts each of its steps, KV growing by one a sequence."""
+    summary = run("colocated:1", [BenchRequest([0], 100, 4)])
+    counters = summary["decode_counters"]["N0"]
+    assert counters["decode_steps"] == 3 and counters["decode_step_seqs"] == 3
+    assert counters["decode_step_kv_tokens"] == 101 + 102 + 103
+    assert counters["decode_step_seconds"] == pytest.approx(sum(summary["itls"][0]))
+    pull = run("pull:1P1D", [BenchRequest([0], 100, 4), BenchRequest([0], 100, 4)])
+    assert pull["decode_counters"]["P0"]["decode_steps"] == 0  # P only prefills
+    # D: 3 steps a request (the first token is P's); P's second prefill ends after D's first request did
+    assert pull["decode_counters"]["D0"]["decode_steps"] == pull["decode_counters"]["D0"]["decode_step_seqs"] == 6
+
+
 def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     """A decodes alone (one event per run) when B arrives at 0.5 s: B's prefill joins the step
     after the one in progress, exactly as a step-by-step loop would schedule it."""

@@ -67,6 +67,21 @@ def against_profile(load: dict, profile: Profile, output_tokens: int) -> dict:
             "node_cpu_share": load["cpu_s"]["node"] / load["wall_s"] / max(len(load["decode"]), 1)}
 
 
+def decode_steps(counters_by_node: dict[str, dict]) -> dict[str, float]:
+    """The nodes' decode-only steps together: how many, the mean step (ms) and the mean batch."""
+    total = {k: sum(c[k] for c in counters_by_node.values()) for k in DECODE_COUNTERS}
+    steps = total["decode_steps"]
+    return {"steps": steps, "mean_step_ms": total["decode_step_seconds"] / steps * 1e3 if steps else float("nan"),
+            "mean_seqs": total["decode_step_seqs"] / steps if steps else float("nan")}
+
+
+def steps_line(real: dict[str, float], simulated: dict[str, float]) -> str:
+    """Decode-only steps, real / simulated: the step and the batch behind a TPOT error."""
+    return (f"decode-only steps real / sim: {real['steps']:.0f} / {simulated['steps']:.0f}, mean step "
+            f"{real['mean_step_ms']:.1f} / {simulated['mean_step_ms']:.1f} ms, mean batch "
+            f"{real['mean_seqs']:.2f} / {simulated['mean_seqs']:.2f}")
+
+
 def line(reading: dict) -> str:
     ratios = ", ".join(f"x{r:.2f}" for r in reading["decode_step_over_profile"])
     per_token = reading["cpu_s_per_token"]

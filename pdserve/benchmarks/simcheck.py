@@ -130,6 +130,48 @@ def gaps(real: dict, sim: dict) -> str:
     return ", ".join(f"{real[k]:.0f} / {sim[k]:.0f}" for k in GAPS)
 
 
+STAGES = ("queue", "prefill", "handoff", "decode-queue", "kv-load")  # the proxy's split of TTFT (proxy/timing.py)
+
+
+def stage_medians(point: dict) -> dict[str, float]:
+    """Each TTFT stage's median over the point's requests (those that have it), in ms."""
+    out = {}
+    for stage in STAGES:
+        values = [s[stage] for s in point.get("stages_ms", []) if s and stage in s]
+        if values:
+            out[stage] = statistics.median(values)
+    return out
+
+
+def stages_line(real: dict, sim: dict) -> str:
+    """Where TTFT went, real / simulated medians: which stage a TTFT error comes from."""
+    r, s = stage_medians(real), stage_medians(sim)
+    return "TTFT stages (median ms) real / sim: " + ", ".join(
+        f"{k} {r[k]:.0f} / {s[k]:.0f}" if k in s else f"{k} {r[k]:.0f} / -" for k in r)
+
+
+def where_table(res: dict) -> str:
+    """Where each point's TTFT and TPOT went, real / simulated: the stage medians (the rest: the
+    hops to the answering node, its wait for a step to end, the stream) and the decode-only steps."""
+    lines = ["| setup | rate (/s) | queue + prefill (ms) | kv-load | rest of median TTFT | decode-only step "
+             "(ms) | its batch |", "|---|---|---|---|---|---|---|"]
+    for key, s in res["setups"].items():
+        for rate, real, sim in zip(res["rates"], s["real"], s["simulated"]):
+            r, m = stage_medians(real), stage_medians(sim)
+            if not r or not m:
+                continue  # a run recorded before the stages were
+            before = [sum(x.get(k, 0.0) for k in ("queue", "prefill")) for x in (r, m)]
+            kv = [x.get("kv-load", 0.0) for x in (r, m)]
+            rest = [p["median_ttft_ms"] - b - k for p, b, k in zip((real, sim), before, kv)]
+            steps = real.get("host_reading", {})
+            d = (steps.get("decode_steps"), steps.get("simulated_decode_steps"))
+            step = f"{d[0]['mean_step_ms']:.1f} / {d[1]['mean_step_ms']:.1f}" if all(d) else "-"
+            batch = f"{d[0]['mean_seqs']:.2f} / {d[1]['mean_seqs']:.2f}" if all(d) else "-"
+            lines.append(f"| ({key}) {s['label']} | {rate:g} | {before[0]:.0f} / {before[1]:.0f} | {kv[0]:.0f} / "
+                         f"{kv[1]:.0f} | {rest[0]:.0f} / {rest[1]:.0f} | {step} | {batch} |")
+    return "\n".join(lines)
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -243,13 +285,18 @@ def main() -> None:
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
                               "speed": speed, "drift": drift, "cost_factors": factors,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
-        for rate, err, point in zip(args.rates, res["setups"][key]["errors"], real):
+        for rate, err, point, simulated in zip(args.rates, res["setups"][key]["errors"], real, sim):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
             if "host_load" in point:  # runs recorded since host_load was
                 point["host_reading"] = host_load.against_profile(point["host_load"], profile.scaled(factors),
                                                                   point["total_output_tokens"])
                 print(f"[{key}] rate {rate}: {host_load.line(point['host_reading'])}", flush=True)
+                point["host_reading"]["decode_steps"] = steps = host_load.decode_steps(point["host_load"]["decode"])
+                point["host_reading"]["simulated_decode_steps"] = sim_steps = host_load.decode_steps(
+                    simulated["decode_counters"])
+                print(f"[{key}] rate {rate}: {host_load.steps_line(steps, sim_steps)}", flush=True)
+            print(f"[{key}] rate {rate}: {stages_line(point, simulated)}", flush=True)
     if engine:
         engine.close()
     if base:  # the setups run again replace theirs; the rest stay as that run measured them
@@ -278,7 +325,10 @@ def finish(res: dict, args) -> None:
     again = f"; real runs of {res['real_from']}, simulated again" if res.get("real_from") else ""
     again += "".join(f"; ({key}) run again on {day} (`--merge-into`)" for key, day in res.get("reruns", {}).items())
     workload = res.get("workload", "mixed")
-    body = (f"Command: `python -m pdserve.benchmarks.simcheck --workload {workload} --rates "
+    meta = res["profile"]["meta"]
+    body = (f"Measured on {meta.get('cpu', 'this CPU')} ({meta.get('isa', '?')}, {meta['engine']['dtype']} "
+            f"{meta['engine']['quantization']}, one core per node). "
+            f"Command: `python -m pdserve.benchmarks.simcheck --workload {workload} --rates "
             f"{' '.join(f'{r:g}' for r in res['rates'])} --seconds-per-rate {res['seconds_per_rate']:g} "
             f"--min-prompts {res['min_prompts']} --setups {' '.join(res['setups'])}` ({res['date']}, {res['dtype']}, profile: "
             f"{res['profile_source']}{again}). SLOs as in the study: TTFT {res['slos_ms']['ttft_ms']:.0f} ms, "
@@ -287,8 +337,13 @@ def finish(res: dict, args) -> None:
             + ", ".join(f"({k}) x{v['cost_factors']['prefill']:.2f} / x{v['cost_factors']['decode']:.2f}"
                         for k, v in res["setups"].items())
             + corun_note(res)
-            + f".\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
-            f"throughput within 10 %, p99s within 20 %, attainment within 10 points).\n\n![simulated against real]({png.name})")
+            + ".\n\nWhere the time went, real / simulated: medians of the stages the proxy's x-pdserve-*-ms "
+            "headers split TTFT into (the rest: the hops to the answering node, its wait for a step to end, the "
+            "stream), and each point's decode-only steps as the nodes count them (pdserve:decode_steps).\n\n"
+            + where_table(res)
+            + f"\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
+            f"throughput within 10 %, p99s within 20 %, attainment within 10 points).\n\n"
+            f"![simulated against real](results/{png.name})")
     section = "simcheck" if workload == "mixed" else f"simcheck_{workload}"
     publish(res, str(out), section, f"Simulator against real runs (simcheck, {workload})", body)
 

@@ -42,6 +42,11 @@ class RequestTiming:
         headers = {"x-pdserve-queue-ms": f"{self.node_queue_s * 1e3:.3f}",
                    "x-pdserve-prefill-ms": f"{self.prefill_s * 1e3:.3f}",
                    "x-pdserve-kv-load-ms": f"{self.transfer_s * 1e3:.3f}"}
+        if self.prefill_node is not None and self.decode_sent is not None and self.prefill_done is not None:
+            # P and D apart: D's own queue, and (pull) the proxy's hop from P's answer to asking D
+            headers["x-pdserve-decode-queue-ms"] = f"{self.decode_queue_s * 1e3:.3f}"
+            if self.decode_sent >= self.prefill_done:
+                headers["x-pdserve-handoff-ms"] = f"{(self.decode_sent - self.prefill_done) * 1e3:.3f}"
         if self.placement is not None:
             headers.update({"x-pdserve-placement": self.placement,
                             "x-pdserve-placement-ms": f"{self.placement_s * 1e3:.3f}",

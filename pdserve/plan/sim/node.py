@@ -13,7 +13,7 @@ from typing import Callable
 from pdserve.config import KVTransferConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import NoText
-from pdserve.engine.messages import RequestOutput
+from pdserve.engine.messages import DecodeSteps, RequestMetrics, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from pdserve.kv.connector import ConnectorMetadata, FinishedTransfers, KVConnectorScheduler
@@ -47,6 +47,7 @@ class Job:
     # D: blocks are reserved for this many tokens from P (push: and D's announcement for the proxy).
     on_reserved: Callable[[int, KVTransferParams | None], None] | None = None
     answer_params: KVTransferParams | None = None  # P, pull: where its KV is held (the proxy forwards it to D)
+    metrics: RequestMetrics | None = None  # the engine's, once done: the node's queue, TTFT and KV wait
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +75,7 @@ class DecodeRun:
     growth: float
     steps: int
     out: SchedulerOutput
+    kv_tokens: int  # the batch's KV tokens in its first step (each step adds one per sequence)
 
     def elapsed(self, steps: int) -> float:
         return steps * self.first_step + self.growth * steps * (steps - 1) / 2
@@ -110,6 +112,7 @@ class SimNode:
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
     preemptions: int = 0
+    decode: DecodeSteps = DecodeSteps()  # its decode-only steps, counted as the engine counts them
     cached: CachedHashes | None = field(init=False)  # the hashes its prefix cache holds (the proxy's index reads it)
     blocks: BlockManager = field(init=False)
     connector: KVConnectorScheduler | None = field(init=False)
@@ -219,6 +222,8 @@ class SimNode:
             seconds = slow_prefill * sum(costs.chunk(s.num_new_tokens, s.request.num_computed_tokens)
                                          for s in out.scheduled if not is_decode(s))
             seconds += slow_decode * costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
+            if decodes and len(decodes) == len(out.scheduled):
+                self._count_decode(1, max(seconds, 0.0), len(decodes), kv_tokens)
             self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(out))
             return
         # Every running request decodes and no waiting one can be admitted meanwhile: the batch stays
@@ -226,10 +231,14 @@ class SimNode:
         # short). Its steps are one event.
         first = max(slow_decode * costs.step(len(decodes), kv_tokens), 0.0)
         growth = max(slow_decode * costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
-        self.run = DecodeRun(self.sim.now, first, growth, steps, out)
+        self.run = DecodeRun(self.sim.now, first, growth, steps, out, kv_tokens)
         self.run_token += 1
         token = self.run_token
         self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
+
+    def _count_decode(self, steps: int, seconds: float, seqs: int, kv_tokens: int) -> None:
+        d = self.decode
+        self.decode = DecodeSteps(d.steps + steps, d.seconds + seconds, d.seqs + seqs, d.kv_tokens + kv_tokens)
 
     def _reserved(self, meta: ConnectorMetadata) -> None:
         """D: the connector reserved blocks this step for pulls (meta.loads) and pushes (meta.expects);
@@ -259,6 +268,9 @@ class SimNode:
         if token != self.run_token:
             return  # this run was cut short; its new end is scheduled
         run, self.run = self.run, None
+        seqs, steps = len(run.out.scheduled), run.steps
+        kv_tokens = steps * run.kv_tokens + seqs * steps * (steps - 1) // 2
+        self._count_decode(steps, run.elapsed(steps), seqs * steps, kv_tokens)
         start, a, g = run.start, run.first_step, run.growth
         half = g / 2
         times = [start + j * (a + half * (j - 1)) for j in range(1, run.steps + 1)]  # DecodeRun.elapsed(j)
@@ -286,7 +298,7 @@ class SimNode:
         for output in outputs:
             if output.finished:
                 job = self.jobs.pop(output.request_id)
-                job.answer_params = output.kv_transfer_params
+                job.answer_params, job.metrics = output.kv_transfer_params, output.metrics
                 job.on_done(now)
 
     def _corun(self) -> tuple[float, float]:

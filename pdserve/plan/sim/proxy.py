@@ -127,8 +127,16 @@ class SimProxy:
     @staticmethod
     def _answer_job(rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, on_done: Callable[[float], None],
                     kv_params: KVTransferParams | None = None) -> Job:
-        """The request as the node that answers the client gets it."""
-        return Job(rid, req.input_len, req.output_len, tracker, on_done, prompt.hashes, kv_params)
+        """The request as the node that answers the client gets it; once done, its stages as the
+        proxy's headers split them (proxy/timing.py)."""
+        job = Job(rid, req.input_len, req.output_len, tracker, on_done, prompt.hashes, kv_params)
+
+        def done(t: float) -> None:
+            answered_stages(tracker, job)
+            on_done(t)
+
+        job.on_done = done
+        return job
 
     def _pull(self, rid: int, req: BenchRequest, tracker: Tracker, prompt: Prompt, prefiller: Node,
               decoder: Node | None, load: int, on_done: Callable[[float], None]) -> None:
@@ -139,6 +147,7 @@ class SimProxy:
         prefill_job = Job(rid, req.input_len, 1, None, lambda t: None, prompt.hashes, KVTransferParams.pull_prefill())
 
         def prefilled(t: float) -> None:
+            prefill_stages(tracker, prefill_job, t)
             if decoder is not None:  # placed at arrival: from here its load counts as asked
                 decoder.unreserve(load)
             target = decoder or self._select("decode", load)
@@ -170,13 +179,14 @@ class SimProxy:
         def reserved(remote_tokens: int, announcement: KVTransferParams | None) -> None:
             last_layer = self.transfer_time(remote_tokens * self.kv_bytes_per_token / self.num_layers)
 
-            def pushed(t: float) -> None:
-                self.sim.at(t + last_layer, lambda: d_node.kv_arrived(decoder_job))
-
             def announced() -> None:
-                prefill_job = Job(rid, req.input_len, 1, None, pushed, prompt.hashes,
+                prefill_job = Job(rid, req.input_len, 1, None, lambda t: pushed(prefill_job, t), prompt.hashes,
                                   KVTransferParams.push_prefill(announcement))
                 self._ask(self._select("prefill", load), prefill_job, load)
+
+            def pushed(prefill_job: Job, t: float) -> None:
+                prefill_stages(tracker, prefill_job, t)
+                self.sim.at(t + last_layer, lambda: d_node.kv_arrived(decoder_job))
 
             self.sim.at(self.sim.now + hop, announced)
 
@@ -211,3 +221,32 @@ class SimProxy:
 
     def transfer_time(self, nbytes: float) -> float:
         return max(self._transfer_latency + self._transfer_per_byte * int(nbytes), 0.0)
+
+
+def _queue_s(job: Job) -> float:
+    m = job.metrics
+    return (m.first_scheduled_time or m.arrival_time) - m.arrival_time
+
+
+def prefill_stages(tracker: Tracker, prefill_job: Job, answered: float) -> None:
+    """P answered at `answered`: its queue, and the prefill after it as the proxy times it (from the
+    client's arrival, the hop to P included)."""
+    queue = _queue_s(prefill_job)
+    tracker.stages.update({"queue": queue * 1e3, "prefill": max(answered - tracker.arrival - queue, 0.0) * 1e3})
+
+
+def answered_stages(tracker: Tracker, job: Job) -> None:
+    """The answering node is done: one node that did it all gives its queue, prefill (its TTFT after
+    the queue) and KV wait; a D adds its queue and the KV wait that showed (push: only what passed
+    P's answer), as the proxy's headers do (proxy/timing.py, flows/)."""
+    m, queue = job.metrics, _queue_s(job)
+    if "prefill" not in tracker.stages:
+        tracker.stages.update({"queue": queue * 1e3, "prefill": max((m.ttft or 0.0) - queue, 0.0) * 1e3,
+                               "kv-load": m.kv_load_seconds * 1e3})
+        return
+    kv_ms = m.kv_load_seconds * 1e3
+    if job.kv_params is not None and job.kv_params.is_push:
+        kv_ms = max(kv_ms - tracker.stages["queue"] - tracker.stages["prefill"], 0.0)
+    else:  # pull: the proxy asked D as soon as P answered
+        tracker.stages["handoff"] = 0.0
+    tracker.stages.update({"decode-queue": queue * 1e3, "kv-load": kv_ms})

@@ -51,6 +51,7 @@ class Tracker:
     limit: float = float("inf")
     on_past_limit: Callable[[], None] | None = None
     jitter: GapJitter | None = None  # what the client's gaps add to the engine's (None: nothing)
+    stages: dict[str, float] = field(default_factory=dict)  # ms, as the proxy's x-pdserve-*-ms headers split TTFT
     _client_longest: float | None = None  # the longest gap with its jitter, drawn once
 
     def token(self, time: float) -> None:
@@ -90,7 +91,7 @@ class Tracker:
         return RequestResult(ok=self.count == self.request.output_len, input_len=self.request.input_len,
                              output_len=self.count, ttft_ms=(self.first + delay - self.arrival) * 1e3,
                              e2el_ms=(self.last + delay - self.arrival) * 1e3, itls_ms=gaps, start=self.arrival,
-                             longest_gap_ms=max(gaps) if gaps else self.client_longest * 1e3)
+                             longest_gap_ms=max(gaps) if gaps else self.client_longest * 1e3, stages_ms=self.stages)
 
     @property
     def client_longest(self) -> float:
