@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import httpx
 from servers import metric, start_pdserve
 from test_pd_pull import MODEL, NODE, PROMPTS, client
 
-from pdserve.benchmarks import gap_views
+from pdserve.benchmarks import gap_views, host_load
 
 
 def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
@@ -33,15 +34,26 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
         assert httpx.get(proxy.url + "/health").json()["mode"] == "colocated"
 
         # A stream's longest gap, as the engine emitted, the node sent and the proxy relayed it
-        # (benchmarks/gap_views.py).
-        before = gap_views.read(proxy.url)
+        # (benchmarks/gap_views.py), and what the stream cost the host (benchmarks/host_load.py), from
+        # one read of the pages before and after.
+        pages = gap_views.Pages.fetch(proxy.url)
+        before, load_before = gap_views.read(pages), host_load.read(os.getpid(), pages)
         stream = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}))
         assert sum(bool(ch.choices and ch.choices[0].text) for ch in stream) == 8
         deadline = time.monotonic() + 10  # the proxy's relay ends as the stream closes, maybe after the last read
-        while (views := gap_views.shares(before, gap_views.read(proxy.url), [30.0, 70.0]))["proxy"]["requests"] < 1:
+        while True:
+            pages = gap_views.Pages.fetch(proxy.url)
+            if (views := gap_views.shares(before, gap_views.read(pages), [30.0, 70.0]))["proxy"]["requests"] >= 1:
+                break
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        load = host_load.delta(load_before, host_load.read(os.getpid(), pages))
+        assert sorted(load["decode"]) == sorted(n.url for n in nodes)
+        # 8 tokens: the first from the prefill step, then 7 decode-only steps of one sequence
+        assert sum(c["decode_steps"] for c in load["decode"].values()) == 7
+        assert sum(c["decode_step_seqs"] for c in load["decode"].values()) == 7
+        assert load["cpu_s"]["proxy"] > 0 and load["cpu_s"]["node"] > 0 and load["wall_s"] > 0
         assert views["engine"]["requests"] == views["server"]["requests"] == views["proxy"]["requests"] == 1
         assert views["client"] == {"requests": 2, "within_ms": {"40": 0.5, "60": 0.5, "80": 1.0, "100": 1.0, "150": 1.0,
                                                                 "200": 1.0, "300": 1.0, "500": 1.0, "750": 1.0, "1000": 1.0}}

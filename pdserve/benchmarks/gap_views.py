@@ -11,6 +11,8 @@ engine's is low too, it is the engine's steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,13 +35,26 @@ def buckets(metrics_text: str, name: str) -> list[float]:
     return list(counts.values())
 
 
-def read(url: str) -> dict[str, list[float]]:
-    """The proxy's and its nodes' (summed) longest-gap histograms, behind a pdserve proxy at url."""
-    nodes = httpx.get(url + "/v1/nodes", timeout=10).json()["nodes"]
-    texts = [httpx.get(n["url"] + "/metrics", timeout=10).text for n in nodes]
-    summed = {view: [sum(col) for col in zip(*(buckets(text, name) for text in texts))]
+@dataclass
+class Pages:
+    """One read of the /metrics pages of a pdserve proxy and of each of its nodes (by URL), which
+    every benchmark reading before and after a run shares (here and benchmarks/host_load.py)."""
+
+    proxy: str
+    nodes: dict[str, str]
+
+    @classmethod
+    def fetch(cls, url: str) -> Pages:
+        nodes = httpx.get(url + "/v1/nodes", timeout=10).json()["nodes"]
+        return cls(httpx.get(url + "/metrics", timeout=10).text,
+                   {n["url"]: httpx.get(n["url"] + "/metrics", timeout=10).text for n in nodes})
+
+
+def read(pages: Pages) -> dict[str, list[float]]:
+    """The proxy's and its nodes' (summed) longest-gap histograms."""
+    summed = {view: [sum(col) for col in zip(*(buckets(text, name) for text in pages.nodes.values()))]
               for view, name in (("engine", ENGINE), ("server", SERVER))}
-    return {**summed, "proxy": buckets(httpx.get(url + "/metrics", timeout=10).text, PROXY)}
+    return {**summed, "proxy": buckets(pages.proxy, PROXY)}
 
 
 def shares(before: dict[str, list[float]], after: dict[str, list[float]], client_gaps_ms: list[float]) -> dict:

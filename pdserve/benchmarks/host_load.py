@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 
-import httpx
-
+from pdserve.benchmarks.gap_views import Pages
 from pdserve.plan.profile import Profile
 from pdserve.procinfo import command_line, cpu_seconds, descendants
 from pdserve.proxy.cluster import MetricsPage
@@ -28,17 +27,16 @@ def _role(pid: int) -> str:
     return "proxy" if "proxy" in args else "node"
 
 
-def read(up_pid: int, proxy_url: str) -> dict:
+def read(up_pid: int, pages: Pages) -> dict:
     """A reading to diff: CPU seconds by role (proxy, node, client = this process), every node's
-    decode counters by URL, and the wall clock."""
+    decode counters by URL (from `pages`, read just before), and the wall clock."""
     cpu = {"proxy": 0.0, "node": 0.0, "client": cpu_seconds()}
     for pid in descendants(up_pid):
         try:
             cpu[_role(pid)] += cpu_seconds(pid)
         except (FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
             pass
-    nodes = httpx.get(proxy_url + "/v1/nodes", timeout=10).json()["nodes"]
-    decode = {n["url"]: decode_counters(httpx.get(n["url"] + "/metrics", timeout=10).text) for n in nodes}
+    decode = {url: decode_counters(text) for url, text in pages.nodes.items()}
     return {"wall_s": time.monotonic(), "cpu_s": cpu, "decode": decode}
 
 

@@ -139,13 +139,15 @@ def run_setup(setup: Setup, rates: list[float], seconds_per_rate: float, min_pro
         for i, rate in enumerate(rates):
             requests = sweep_workload(workload, i, rate, seconds_per_rate, min_prompts)
             print(f"[{setup.key}] {setup.label}: {workload}, {len(requests)} requests at {rate} /s", flush=True)
-            gaps_before, load_before = gap_views.read(up.url), host_load.read(up.proc.pid, up.url)
+            pages = gap_views.Pages.fetch(up.url)
+            gaps_before, load_before = gap_views.read(pages), host_load.read(up.proc.pid, pages)
             results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, rate, 1.0, None,
                                                           seed=i, answer_ids=answer_ids))
             summary = summarize(results, duration, slos)
-            summary["host_load"] = host_load.delta(load_before, host_load.read(up.proc.pid, up.url))
+            pages = gap_views.Pages.fetch(up.url)
+            summary["host_load"] = host_load.delta(load_before, host_load.read(up.proc.pid, pages))
             client_gaps = [r.max_itl_ms for r in results if r.ok and r.output_len > 1]
-            summary["longest_gap_views"] = gap_views.shares(gaps_before, gap_views.read(up.url), client_gaps)
+            summary["longest_gap_views"] = gap_views.shares(gaps_before, gap_views.read(pages), client_gaps)
             summary["goodput_by_slos"] = {name: sum(meets(r, s) for r in results) / duration
                                           for name, s in (slo_sets or {}).items()}
             summary["request_rate"] = rate

@@ -28,6 +28,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -379,6 +380,11 @@ def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
             "gap_excess_s": excess}
 
 
+def sorted_quantile(xs: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted `xs` by rank, not interpolated (a draw of the gap excess is one of them)."""
+    return xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
 def describe(profile: Profile) -> str:
     """What a person reads after `pdserve profile`: each fit and its error."""
     p, d = profile.prefill_chunk, profile.decode_step
@@ -403,7 +409,7 @@ def describe(profile: Profile) -> str:
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
     excess = profile.serving.get("gap_excess_s")
     if excess:
-        at = [excess[min(int(q * len(excess)), len(excess) - 1)] * 1e3 for q in (0.5, 0.9, 0.99)]
+        at = [sorted_quantile(excess, q) * 1e3 for q in (0.5, 0.9, 0.99)]
         lines.append(f"  a streamed gap exceeds its stream's median by {at[0]:.1f} / {at[1]:.1f} / {at[2]:.1f} / "
                      f"{excess[-1] * 1e3:.1f} ms at p50 / p90 / p99 / max ({len(excess)} gaps)")
     if profile.corun_measured:

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from pdserve.plan.profile import sorted_quantile
 from pdserve.workload import BenchRequest, RequestResult
 
 
@@ -26,7 +27,7 @@ class GapJitter:
         if not self.excess or gaps < 1:
             return mean_gap
         quantile = self.rng.random() ** (1.0 / gaps)
-        return mean_gap + self.excess[min(int(quantile * len(self.excess)), len(self.excess) - 1)]
+        return mean_gap + sorted_quantile(self.excess, quantile)
 
     def add(self, gaps_ms: list[float]) -> list[float]:
         """Each gap plus a draw of the excess (which may be negative: a gap after a late one is short)."""
