@@ -164,6 +164,10 @@ def test_each_request_has_a_record_with_its_nodes_transfer_and_stages(cluster):
     assert float(headers["x-pdserve-handoff-ms"]) == pytest.approx(handoff, abs=0.01) and handoff >= 0
     queued = stage["decode_queue"]["end_ms"] - stage["decode_queue"]["start_ms"]
     assert float(headers["x-pdserve-decode-queue-ms"]) == pytest.approx(queued, abs=0.01)
+    prefill = stage["prefill"]["end_ms"] - stage["prefill"]["start_ms"]
+    assert 0 < float(headers["x-pdserve-prefill-engine-ms"]) <= prefill  # P's engine, within P's answer
+    transfer = stage["transfer"]["end_ms"] - stage["transfer"]["start_ms"]
+    assert float(headers["x-pdserve-decode-ttft-ms"]) >= queued + transfer - 0.01  # D's engine waited through both
     spent = sum(s["end_ms"] - s["start_ms"] for s in record["segments"])
     assert spent == pytest.approx(record["e2e_ms"], rel=0.05)  # the hops between stages are small
     assert 0 < record["ttft_ms"] < record["e2e_ms"] and record["max_itl_ms"] >= record["tpot_ms"] > 0

@@ -94,15 +94,19 @@ def test_simulated_requests_carry_the_stages_the_proxys_headers_split_ttft_into(
     assert colocated["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 112.0, "kv-load": 0.0})
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
     transfer_ms = 2 + 100 * KV_BYTES * 1e-6
-    assert pull["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 50 + 112, "handoff": 0.0,
-                                                  "decode-queue": 0.0, "kv-load": transfer_ms})
+    assert pull["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 50 + 112, "prefill-engine": 112.0,
+                                                  "handoff": 0.0, "decode-queue": 0.0, "kv-load": transfer_ms,
+                                                  "decode-ttft": transfer_ms})
     stages = pull["stages_ms"][0]  # with D's hop and the stream, they make up the TTFT
-    assert pull["ttfts"][0] * 1e3 == pytest.approx(sum(stages.values()) + 50 + 30)
+    parts = ("queue", "prefill", "handoff", "decode-queue", "kv-load")
+    assert pull["ttfts"][0] * 1e3 == pytest.approx(sum(stages[k] for k in parts) + 50 + 30)
     push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
     # P answers after D's hop, D's announcement and P's hop; D's wait for the last layer ends
     # within P's answer (the proxy shows none of it)
-    assert push["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 3 * 50 + 112, "decode-queue": 0.0,
-                                                  "kv-load": 0.0})
+    last_layer_ms = 2 + 10 * KV_BYTES * 1e-6
+    assert push["stages_ms"][0] == pytest.approx({"queue": 0.0, "prefill": 3 * 50 + 112, "prefill-engine": 112.0,
+                                                  "decode-queue": 0.0, "kv-load": 0.0,
+                                                  "decode-ttft": 2 * 50 + 112 + last_layer_ms})
     busy = run("pull:1P1D", [BenchRequest([0], 100, 2), BenchRequest([0], 100, 2)], profile=profile)
     assert busy["stages_ms"][1]["queue"] == pytest.approx(112.0)  # behind the first prompt on P
 

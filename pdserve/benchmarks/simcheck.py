@@ -130,7 +130,9 @@ def gaps(real: dict, sim: dict) -> str:
     return ", ".join(f"{real[k]:.0f} / {sim[k]:.0f}" for k in GAPS)
 
 
-STAGES = ("queue", "prefill", "handoff", "decode-queue", "kv-load")  # the proxy's split of TTFT (proxy/timing.py)
+# The proxy's split of TTFT (proxy/timing.py): P's queue, P's answer after it (of which P's engine's
+# own), the proxy's handoff to D (pull), D's queue, the KV wait that showed, D's engine's own TTFT
+STAGES = ("queue", "prefill", "prefill-engine", "handoff", "decode-queue", "kv-load", "decode-ttft")
 
 
 def stage_medians(point: dict) -> dict[str, float]:
@@ -153,8 +155,8 @@ def stages_line(real: dict, sim: dict) -> str:
 def where_table(res: dict) -> str:
     """Where each point's TTFT and TPOT went, real / simulated: the stage medians (the rest: the
     hops to the answering node, its wait for a step to end, the stream) and the decode-only steps."""
-    lines = ["| setup | rate (/s) | queue + prefill (ms) | kv-load | rest of median TTFT | decode-only step "
-             "(ms) | its batch |", "|---|---|---|---|---|---|---|"]
+    lines = ["| setup | rate (/s) | queue + prefill (ms) | of which P's engine | kv-load | rest of median TTFT | "
+             "D's engine TTFT | decode-only step (ms) | its batch |", "|---|---|---|---|---|---|---|---|---|"]
     for key, s in res["setups"].items():
         for rate, real, sim in zip(res["rates"], s["real"], s["simulated"]):
             r, m = stage_medians(real), stage_medians(sim)
@@ -167,9 +169,15 @@ def where_table(res: dict) -> str:
             d = (steps.get("decode_steps"), steps.get("simulated_decode_steps"))
             step = f"{d[0]['mean_step_ms']:.1f} / {d[1]['mean_step_ms']:.1f}" if all(d) else "-"
             batch = f"{d[0]['mean_seqs']:.2f} / {d[1]['mean_seqs']:.2f}" if all(d) else "-"
-            lines.append(f"| ({key}) {s['label']} | {rate:g} | {before[0]:.0f} / {before[1]:.0f} | {kv[0]:.0f} / "
-                         f"{kv[1]:.0f} | {rest[0]:.0f} / {rest[1]:.0f} | {step} | {batch} |")
+            engine = [pair(r, m, k) for k in ("prefill-engine", "decode-ttft")]
+            lines.append(f"| ({key}) {s['label']} | {rate:g} | {before[0]:.0f} / {before[1]:.0f} | {engine[0]} | "
+                         f"{kv[0]:.0f} / {kv[1]:.0f} | {rest[0]:.0f} / {rest[1]:.0f} | {engine[1]} | {step} | {batch} |")
     return "\n".join(lines)
+
+
+def pair(real: dict[str, float], sim: dict[str, float], stage: str) -> str:
+    """A stage's real / simulated median, `-` where a run did not record it (P and D apart only)."""
+    return f"{real[stage]:.0f} / {sim[stage]:.0f}" if stage in real and stage in sim else "-"
 
 
 def plot(res: dict, path: Path) -> None:
@@ -339,7 +347,8 @@ def finish(res: dict, args) -> None:
             + corun_note(res)
             + ".\n\nWhere the time went, real / simulated: medians of the stages the proxy's x-pdserve-*-ms "
             "headers split TTFT into (the rest: the hops to the answering node, its wait for a step to end, the "
-            "stream), and each point's decode-only steps as the nodes count them (pdserve:decode_steps).\n\n"
+            "stream; P's and D's engines' own times, where recorded, tell the nodes' HTTP and the proxy's hops "
+            "from the engines), and each point's decode-only steps as the nodes count them (pdserve:decode_steps).\n\n"
             + where_table(res)
             + f"\n\n{res['within_targets']} of {res['points']} points within the targets (medians and "
             f"throughput within 10 %, p99s within 20 %, attainment within 10 points).\n\n"

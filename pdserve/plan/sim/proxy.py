@@ -229,16 +229,17 @@ def _queue_s(job: Job) -> float:
 
 
 def prefill_stages(tracker: Tracker, prefill_job: Job, answered: float) -> None:
-    """P answered at `answered`: its queue, and the prefill after it as the proxy times it (from the
-    client's arrival, the hop to P included)."""
+    """P answered at `answered`: its queue, the prefill after it as the proxy times it (from the
+    client's arrival, the hop to P included) and, of that, P's engine's own."""
     queue = _queue_s(prefill_job)
-    tracker.stages.update({"queue": queue * 1e3, "prefill": max(answered - tracker.arrival - queue, 0.0) * 1e3})
+    tracker.stages.update({"queue": queue * 1e3, "prefill": max(answered - tracker.arrival - queue, 0.0) * 1e3,
+                           "prefill-engine": max((prefill_job.metrics.ttft or 0.0) - queue, 0.0) * 1e3})
 
 
 def answered_stages(tracker: Tracker, job: Job) -> None:
     """The answering node is done: one node that did it all gives its queue, prefill (its TTFT after
-    the queue) and KV wait; a D adds its queue and the KV wait that showed (push: only what passed
-    P's answer), as the proxy's headers do (proxy/timing.py, flows/)."""
+    the queue) and KV wait; a D adds its queue, the KV wait that showed (push: only what passed P's
+    answer) and its engine's TTFT, as the proxy's headers do (proxy/timing.py, flows/)."""
     m, queue = job.metrics, _queue_s(job)
     if "prefill" not in tracker.stages:
         tracker.stages.update({"queue": queue * 1e3, "prefill": max((m.ttft or 0.0) - queue, 0.0) * 1e3,
@@ -249,4 +250,4 @@ def answered_stages(tracker: Tracker, job: Job) -> None:
         kv_ms = max(kv_ms - tracker.stages["queue"] - tracker.stages["prefill"], 0.0)
     else:  # pull: the proxy asked D as soon as P answered
         tracker.stages["handoff"] = 0.0
-    tracker.stages.update({"decode-queue": queue * 1e3, "kv-load": kv_ms})
+    tracker.stages.update({"decode-queue": queue * 1e3, "kv-load": kv_ms, "decode-ttft": (m.ttft or 0.0) * 1e3})

@@ -73,6 +73,7 @@ def read_node_report(response: httpx.Response, timing: RequestTiming) -> None:
         timing.cached_tokens = header_int(response, "x-pdserve-cached-tokens")
     else:
         timing.decode_queue_s = header_seconds(response, "x-pdserve-queue-ms")
+        timing.decode_ttft_s = header_seconds(response, "x-pdserve-ttft-ms")
     timing.kv_tokens = header_int(response, "x-pdserve-remote-tokens") or 0
     timing.kv_bytes = header_int(response, "x-pdserve-kv-bytes") or 0
     timing.kv_blocks = header_int(response, "x-pdserve-kv-blocks") or 0
@@ -180,6 +181,7 @@ class Flow(ABC):
         timing.prompt_tokens = header_int(response, "x-pdserve-prompt-tokens")
         timing.cached_tokens = header_int(response, "x-pdserve-cached-tokens")
         timing.prefill_s = max(timing.prefill_done - timing.arrival - timing.node_queue_s, 0.0)
+        timing.prefill_engine_s = max(header_seconds(response, "x-pdserve-ttft-ms") - timing.node_queue_s, 0.0)
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
         answer = response.json()
