@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import httpx
 import pytest
 from test_plan_simulator import known_profile
 
+from pdserve.benchmarks import pinned_prefill
 from pdserve.benchmarks.host_load import against_profile, decode_counters
 from pdserve.benchmarks.simcheck import errors, idle_level, within_targets
 from pdserve.procinfo import cpu_seconds, descendants
@@ -91,3 +93,13 @@ def test_a_runs_load_read_against_the_profile():
     assert reading["decode_step_over_profile"] == [pytest.approx(1.1)]  # none for a node that never decoded
     assert reading["cpu_s_per_token"] == pytest.approx({"proxy": 0.002, "client": 0.001})
     assert reading["node_cpu_share"] == pytest.approx(0.6)
+
+
+def test_pinned_prefill_times_a_nodes_engine_prefill_with_and_without_a_streaming_load(fp32_node):
+    """benchmarks/pinned_prefill.py: the node's own prefill times (ms, from its headers), and the
+    load a client process streamed meanwhile."""
+    quiet = pinned_prefill.measure(fp32_node.url, 3, 7)
+    assert len(quiet["prefill_ms"]) == 3 and all(ms > 0 for ms in quiet["prefill_ms"])
+    assert quiet["p10_ms"] <= quiet["p50_ms"] <= quiet["p90_ms"] and quiet["load_tokens_per_s"] == 0
+    loaded = pinned_prefill.measure(fp32_node.url, 3, 8, fp32_node.url, set(os.sched_getaffinity(0)), 1)
+    assert loaded["load_tokens_per_s"] > 0 and all(ms > 0 for ms in loaded["prefill_ms"])
