@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import statistics
 import tempfile
+import threading
 import time
 
 import httpx
@@ -40,8 +41,6 @@ STREAM_TOKENS = 200
 def _stream(url: str, core_set: set[int], streams: int, stop, tokens) -> None:
     """A client on `core_set`: `streams` answers at a time, one after another until `stop`."""
     os.sched_setaffinity(0, core_set)
-    import threading
-
     body = {"prompt": "Tell me a long story about the sea.", "max_tokens": STREAM_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
 
