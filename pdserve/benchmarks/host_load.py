@@ -9,11 +9,12 @@ from __future__ import annotations
 import time
 
 from pdserve.benchmarks.gap_views import Pages
+from pdserve.engine.messages import DecodeSteps
 from pdserve.plan.profile import Profile
 from pdserve.procinfo import command_line, cpu_seconds, descendants
 from pdserve.proxy.cluster import MetricsPage
 
-DECODE_COUNTERS = ("decode_steps", "decode_step_seconds", "decode_step_seqs", "decode_step_kv_tokens")
+DECODE_COUNTERS = tuple(DecodeSteps().counters())  # a node's decode-only step counters, by name
 
 
 def decode_counters(metrics_text: str) -> dict[str, float]:

@@ -48,6 +48,11 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
+    def queue_seconds(self) -> float:
+        """Time waiting before the scheduler first took it (all of it while never scheduled)."""
+        return (self.first_scheduled_time or self.arrival_time) - self.arrival_time
+
+    @property
     def inter_token_latencies(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
@@ -92,6 +97,11 @@ class DecodeSteps:
     seconds: float = 0.0
     seqs: int = 0
     kv_tokens: int = 0  # each sequence's tokens, the one fed that step included
+
+    def counters(self) -> dict[str, float]:
+        """These sums under the names of the node's /metrics counters (pdserve:<name>_total)."""
+        return {"decode_steps": self.steps, "decode_step_seconds": self.seconds, "decode_step_seqs": self.seqs,
+                "decode_step_kv_tokens": self.kv_tokens}
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ class NodeServer:
             raise APIError(502, first.error, type_="kv_transfer_error")
         m = first.metrics
         headers = {
-            "x-pdserve-queue-ms": f"{((m.first_scheduled_time or m.arrival_time) - m.arrival_time) * 1e3:.3f}",
+            "x-pdserve-queue-ms": f"{m.queue_seconds * 1e3:.3f}",
             "x-pdserve-kv-load-ms": f"{m.kv_load_seconds * 1e3:.3f}",
             "x-pdserve-ttft-ms": f"{(m.ttft or 0.0) * 1e3:.3f}",
             # what the proxy's request records show (proxy/records.py)

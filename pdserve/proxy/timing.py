@@ -26,8 +26,8 @@ class RequestTiming:
     prefill_done: float | None = None
     node_queue_s: float = 0.0  # time in P's waiting queue (P's x-pdserve-queue-ms)
     prefill_s: float = 0.0  # P's prefill after its queue (colocated: the node's TTFT after its queue)
-    prefill_engine_s: float | None = None  # of it, P's engine's own (its TTFT after its queue): the rest are hops
-    decode_ttft_s: float | None = None  # P and D apart: D's engine's time from the request to its first output
+    prefill_engine_s: float = 0.0  # of it, P's engine's own (its TTFT after its queue): the rest are hops
+    decode_ttft_s: float = 0.0  # P and D apart: D's engine's time from the request to its first output
     transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms); push: only what was exposed
     first_byte: float | None = None
     last_byte: float | None = None
@@ -47,8 +47,8 @@ class RequestTiming:
         if self.prefill_node is not None and self.decode_sent is not None and self.prefill_done is not None:
             # P and D apart: D's own queue, and (pull) the proxy's hop from P's answer to asking D
             headers["x-pdserve-decode-queue-ms"] = f"{self.decode_queue_s * 1e3:.3f}"
-            headers["x-pdserve-prefill-engine-ms"] = f"{(self.prefill_engine_s or 0.0) * 1e3:.3f}"
-            headers["x-pdserve-decode-ttft-ms"] = f"{(self.decode_ttft_s or 0.0) * 1e3:.3f}"
+            headers["x-pdserve-prefill-engine-ms"] = f"{self.prefill_engine_s * 1e3:.3f}"
+            headers["x-pdserve-decode-ttft-ms"] = f"{self.decode_ttft_s * 1e3:.3f}"
             if self.decode_sent >= self.prefill_done:
                 headers["x-pdserve-handoff-ms"] = f"{(self.decode_sent - self.prefill_done) * 1e3:.3f}"
         if self.placement is not None:

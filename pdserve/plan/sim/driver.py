@@ -7,7 +7,6 @@ import gc
 import random
 from dataclasses import replace
 
-from pdserve.engine.messages import DecodeSteps
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.profile import Profile
 from pdserve.plan.sim.events import Simulation
@@ -73,12 +72,6 @@ class SLOWatch:
         at_most = (self.total - len(self.missed)) / self.total
         if at_most < self.target:
             raise GaveUp(at_most, self.arrived)
-
-
-def decode_counters(d: DecodeSteps) -> dict[str, float]:
-    """A node's decode-only steps under the names of its /metrics counters (benchmarks/host_load.py)."""
-    return {"decode_steps": d.steps, "decode_step_seconds": d.seconds, "decode_step_seqs": d.seqs,
-            "decode_step_kv_tokens": d.kv_tokens}
 
 
 def simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate: float, burstiness: float,
@@ -183,7 +176,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
                     "prefix_caching": caching, "simulated_requests": len(requests),
                     "preemptions": sum(n.preemptions for n in proxy.prefillers + proxy.decoders),
                     # each node's decode-only steps, as a node's /metrics counts them (benchmarks/host_load.py)
-                    "decode_counters": {n.name: decode_counters(n.decode) for n in proxy.prefillers + proxy.decoders}})
+                    "decode_counters": {n.name: n.decode.counters() for n in proxy.prefillers + proxy.decoders}})
     if setup.mode == "auto":
         summary.update({"placement": placement, "placement_counts": dict(proxy.placements)})
     return summary

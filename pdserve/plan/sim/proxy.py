@@ -223,15 +223,10 @@ class SimProxy:
         return max(self._transfer_latency + self._transfer_per_byte * int(nbytes), 0.0)
 
 
-def _queue_s(job: Job) -> float:
-    m = job.metrics
-    return (m.first_scheduled_time or m.arrival_time) - m.arrival_time
-
-
 def prefill_stages(tracker: Tracker, prefill_job: Job, answered: float) -> None:
     """P answered at `answered`: its queue, the prefill after it as the proxy times it (from the
     client's arrival, the hop to P included) and, of that, P's engine's own."""
-    queue = _queue_s(prefill_job)
+    queue = prefill_job.metrics.queue_seconds
     tracker.stages.update({"queue": queue * 1e3, "prefill": max(answered - tracker.arrival - queue, 0.0) * 1e3,
                            "prefill-engine": max((prefill_job.metrics.ttft or 0.0) - queue, 0.0) * 1e3})
 
@@ -240,7 +235,8 @@ def answered_stages(tracker: Tracker, job: Job) -> None:
     """The answering node is done: one node that did it all gives its queue, prefill (its TTFT after
     the queue) and KV wait; a D adds its queue, the KV wait that showed (push: only what passed P's
     answer) and its engine's TTFT, as the proxy's headers do (proxy/timing.py, flows/)."""
-    m, queue = job.metrics, _queue_s(job)
+    m = job.metrics
+    queue = m.queue_seconds
     if "prefill" not in tracker.stages:
         tracker.stages.update({"queue": queue * 1e3, "prefill": max((m.ttft or 0.0) - queue, 0.0) * 1e3,
                                "kv-load": m.kv_load_seconds * 1e3})
