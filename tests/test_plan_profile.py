@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -102,6 +103,11 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
     assert len(samples["serving_probes"]) == 6 and all(p["ttft_s"] > 0 for p in samples["serving_probes"])
     assert 0 <= profile.serving["request_s"] < 1.0 and 0 <= profile.serving["step_s"] < 0.1
+    # A hop is what the client waited beyond the node's engine's own TTFT (its x-pdserve-ttft-ms).
+    probes = samples["serving_probes"]
+    assert all(0 < p["engine_ttft_s"] < p["reply_s"] for p in probes)
+    assert profile.serving["request_s"] == pytest.approx(statistics.median(p["reply_s"] - p["engine_ttft_s"]
+                                                                           for p in probes))
     # Every streamed gap beyond its probe's median, sorted: the tail a long answer's longest gap draws from.
     excess = profile.serving["gap_excess_s"]
     assert len(excess) == 6 * (PROBE_TOKENS - 1) and excess == sorted(excess)

@@ -367,11 +367,12 @@ def decode_features(batches: list[int]) -> list[str]:
 
 
 def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
-    """Medians of what a client saw beyond the engine's fitted costs: the one-token answer's
-    latency minus the prompt's prefill step; streamed TTFT minus that latency; TPOT minus a
-    one-sequence decode step at the probe's mean context."""
+    """Medians of what a client saw beyond the engine's costs: the one-token answer's latency minus
+    the node's engine's own TTFT (probes before it was recorded: minus the fitted prefill step);
+    streamed TTFT minus that latency; TPOT minus a one-sequence decode step at the probe's mean context."""
     mid_context = PROBE_PROMPT + PROBE_TOKENS // 2
-    request = statistics.median(p["reply_s"] - profile.prefill_chunk_time(p["prompt_tokens"], 0) for p in probes)
+    request = statistics.median(p["reply_s"] - p.get("engine_ttft_s", profile.prefill_chunk_time(p["prompt_tokens"], 0))
+                                for p in probes)
     stream = statistics.median(p["ttft_s"] - p["reply_s"] for p in probes)
     step = statistics.median(p["tpot_s"] - profile.decode_step_time(1, mid_context) for p in probes)
     excess = sorted(round(gap - statistics.median(p["gaps_s"]), 6) for p in probes if p.get("gaps_s")
