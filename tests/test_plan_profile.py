@@ -16,9 +16,10 @@ import pytest
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import available
+from pdserve.plan.corun import relay_factor, relay_samples
 from pdserve.plan.fit import fit_linear
 from pdserve.plan.measure import PROBE_TOKENS
-from pdserve.plan.profile import Profile, corun_factors, decode_features
+from pdserve.plan.profile import NO_CORUN, Profile, corun_factors, decode_features
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
 from pdserve.platform import KERNELS_ENV
 from pdserve.proxy.costs import CostModel
@@ -97,7 +98,7 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
     assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "speed", "serving",
                          "corun"}
     # --quick leaves the co-run factors out (only `simulate --one-host` reads them), and says so.
-    assert profile.corun == {"prefill": 1.0, "decode": 1.0} and profile.meta["corun_measured"] is False
+    assert profile.corun == NO_CORUN and profile.meta["corun_measured"] is False
     assert "beside another busy core of this host: not measured (--quick" in stdout
     assert profile.speed["prefill_s"] > profile.speed["decode_s"] > 0  # a 512-token chunk against one decode step
     # What HTTP serving adds, from streamed probes: present, and a small share of a request's cost.
@@ -154,6 +155,24 @@ def test_corun_factors_time_this_engine_beside_a_twin_computing_on_the_other_cor
                            str(tmp_path / "sim.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "did not measure the co-run factors" in proc.stderr
+
+
+def test_relay_samples_time_a_pinned_prefill_while_the_hosts_proxy_relays_streams(random_llama):
+    """The full profile's relay measurement, on a small model: two served nodes pinned one to each
+    core and a proxy in front of the second; the proxy's hop on top of the node's, and the first
+    node's prefills with the second idle and then streaming through the proxy."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: no other core to stream from")
+    samples = relay_samples(["--model", random_llama, "--dtype", "float32", "--threads", "1"], (cores[0], cores[1]),
+                            prompts=5, streams=1)
+    assert all(len(samples[k]) == 5 for k in ("direct_hop_ms", "proxy_hop_ms", "idle_prefill_ms",
+                                              "relayed_prefill_ms"))
+    assert all(x > 0 for k in ("direct_hop_ms", "idle_prefill_ms", "relayed_prefill_ms") for x in samples[k])
+    # The proxy's hop adds its own work (two more HTTP legs) to the node's.
+    assert statistics.median(samples["proxy_hop_ms"]) > statistics.median(samples["direct_hop_ms"]) > 0
+    assert samples["relayed_tokens_per_s"] > 0  # the streams ran while A prefilled
+    assert 0.5 < relay_factor(samples) < 5.0
 
 
 def test_profile_cli_names_a_bad_argument():

@@ -70,19 +70,20 @@ def test_pull_adds_the_prompts_transfer_and_push_its_last_layer():
 
 
 def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
+    """Each HTTP hop to a node 50 ms, the proxy in front 4 ms a request, the stream 30 ms, each step 2 ms."""
     profile = known_profile()
-    profile.serving = {"request_s": 0.050, "stream_s": 0.030, "step_s": 0.002}
+    profile.serving = {"request_s": 0.050, "stream_s": 0.030, "step_s": 0.002, "proxy_s": 0.004}
     colocated = run("colocated:1", [BenchRequest([0], 100, 3)], profile=profile)
-    assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002 + 0.030)
+    assert colocated["ttfts"][0] == pytest.approx(0.050 + 0.010 + 0.100 + 0.002 + 0.030 + 0.004)
     assert colocated["itls"][0] == pytest.approx([0.020 + 0.002 + 0.005 + 101e-5, 0.020 + 0.002 + 0.005 + 102e-5])
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's, then the pull
     transfer = 0.002 + 100 * KV_BYTES * 1e-9  # then P's first token leaves D: no step of D's before it
-    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + 0.030)
+    assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + 0.030 + 0.004)
     # Push: D's hop; D reserves its blocks and announces them (a hop to the proxy); P's hop; P's
     # prefill, of which only the last layer's transfer follows; then P's first token leaves D.
     push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)
     last_layer = 0.002 + 10 * KV_BYTES * 1e-9
-    assert push["ttfts"][0] == pytest.approx(3 * 0.050 + (0.110 + 0.002) + last_layer + 0.030)
+    assert push["ttfts"][0] == pytest.approx(3 * 0.050 + (0.110 + 0.002) + last_layer + 0.030 + 0.004)
 
 
 def test_simulated_requests_carry_the_stages_the_proxys_headers_split_ttft_into():
@@ -173,6 +174,26 @@ def test_on_one_host_a_node_steps_slower_while_another_computes():
     sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
     sim.run()
     assert a.result().itls_ms == pytest.approx([x * 1e3 for x in step[:2]]) and b.result().ttft_ms == pytest.approx(110.0)
+
+
+def test_on_one_host_a_prefill_runs_the_relay_factor_slower_while_a_stream_is_under_way():
+    """Relay factor x1.2, no co-run slow-down. A (100 -> 5) prefills alone from 0: 110 ms. B (100 ->
+    2) arrives on the other node at 0.12 s, while A streams: its prefill runs x1.2. C arrives on
+    A's node once both are done: alone again. Not on one host: never."""
+    profile = known_profile()
+    profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.2}
+    for one_host, factor in ((True, 1.2), (False, 1.0)):
+        sim = Simulation(profile, one_host=one_host)
+        batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
+        first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
+        a, b = Tracker(BenchRequest([0], 100, 5), 0.0), Tracker(BenchRequest([0], 100, 2), 0.12)
+        c = Tracker(BenchRequest([0], 100, 2), 1.0)
+        sim.at(0.0, lambda: first.submit(Job(0, 100, 5, a, lambda t: None)))
+        sim.at(0.12, lambda: second.submit(Job(1, 100, 2, b, lambda t: None)))
+        sim.at(1.0, lambda: first.submit(Job(2, 100, 2, c, lambda t: None)))
+        sim.run()
+        assert a.result().ttft_ms == pytest.approx(110.0) and c.result().ttft_ms == pytest.approx(110.0)
+        assert b.result().ttft_ms == pytest.approx(factor * 110.0)
 
 
 def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():

@@ -20,82 +20,14 @@ Writes docs/results/pinned_prefill.json and a section of docs/benchmarks.md. Nee
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import statistics
 import tempfile
-import threading
 import time
 
-import httpx
-
 from pdserve.benchmarks.report import publish
+from pdserve.plan.corun import RELAY_PROMPT, prefills, prefills_beside
 from pdserve.platform import CpuInfo
 from pdserve.procs import Child, ProcessGroup
-from pdserve.workload import random_prompts
-
-PROMPT = 128
-STREAM_TOKENS = 200
-
-
-def _stream(url: str, core_set: set[int], streams: int, stop, tokens) -> None:
-    """A client on `core_set`: `streams` answers at a time, one after another until `stop`."""
-    os.sched_setaffinity(0, core_set)
-    body = {"prompt": "Tell me a long story about the sea.", "max_tokens": STREAM_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-
-    def one() -> None:
-        with httpx.Client(timeout=120) as client:
-            while not stop.is_set():
-                with client.stream("POST", url + "/v1/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            with tokens.get_lock():
-                                tokens.value += 1
-
-    threads = [threading.Thread(target=one) for _ in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
-def prefills(url: str, n: int, seed: int) -> list[float]:
-    """The node's engine's own prefill (ms) of `n` fresh 128-token prompts, one at a time."""
-    out = []
-    with httpx.Client(timeout=60) as client:
-        for ids in random_prompts(n, PROMPT, seed):
-            r = client.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
-            r.raise_for_status()
-            out.append(float(r.headers["x-pdserve-ttft-ms"]) - float(r.headers["x-pdserve-queue-ms"]))
-            time.sleep(0.3)  # one at a time, and the load's steps between them
-    return out
-
-
-def measure(url: str, n: int, seed: int, load_url: str | None = None, load_cores: set[int] | None = None,
-            streams: int = 3) -> dict:
-    """Prefills of the node at `url`, with a streaming client on `load_cores` (None: no load)."""
-    context = multiprocessing.get_context("spawn")
-    stop, tokens = context.Event(), context.Value("l", 0)
-    client = None
-    if load_url is not None:
-        client = context.Process(target=_stream, args=(load_url, load_cores, streams, stop, tokens), daemon=True)
-        client.start()
-        time.sleep(3)  # the streams under way
-    try:
-        began, before = time.monotonic(), tokens.value
-        ms = prefills(url, n, seed)
-        rate = (tokens.value - before) / (time.monotonic() - began)
-    finally:
-        stop.set()
-        if client is not None:
-            client.join(60)
-            if client.is_alive():
-                client.kill()
-    deciles = statistics.quantiles(ms, n=10)
-    return {"prefill_ms": ms, "p10_ms": deciles[0], "p50_ms": statistics.median(ms), "p90_ms": deciles[-1],
-            "load_tokens_per_s": rate}
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,15 +55,15 @@ def main() -> None:
         group.wait_ready([proxy], 60)
         prefills(p.url, 5, 1)  # warm-up
         conditions = {
-            "second core idle": measure(p.url, args.prompts, 100),
+            "second core idle": prefills_beside(p.url, args.prompts, 100),
             "a node on the second core streams to a client pinned beside it":
-                measure(p.url, args.prompts, 200, d.url, {second}, args.streams),
+                prefills_beside(p.url, args.prompts, 200, d.url, {second}, args.streams),
             "... through an unpinned proxy to an unpinned client":
-                measure(p.url, args.prompts, 300, proxy.url, both, args.streams),
-            "second core idle again": measure(p.url, args.prompts, 400),
+                prefills_beside(p.url, args.prompts, 300, proxy.url, both, args.streams),
+            "second core idle again": prefills_beside(p.url, args.prompts, 400),
         }
     cpu = CpuInfo.detect()
-    results = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "isa": cpu.isa, "prompt_tokens": PROMPT,
+    results = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "isa": cpu.isa, "prompt_tokens": RELAY_PROMPT,
                "streams": args.streams, "conditions": conditions}
     idle = conditions["second core idle"]["p50_ms"]
     rows = [f"| {name} | {c['load_tokens_per_s']:.0f} | {c['p10_ms']:.1f} | {c['p50_ms']:.1f} "
@@ -139,7 +71,7 @@ def main() -> None:
     text = "\n".join([
         f"Command: `python -m pdserve.benchmarks.pinned_prefill --prompts {args.prompts} --streams {args.streams}` "
         f"({results['date']}, {cpu.model}, {cpu.isa}; `--dtype auto`). A `pdserve serve` node pinned to one core "
-        f"prefills {PROMPT}-token prompts one at a time; its engine's own time (x-pdserve-ttft-ms minus "
+        f"prefills {RELAY_PROMPT}-token prompts one at a time; its engine's own time (x-pdserve-ttft-ms minus "
         "x-pdserve-queue-ms) while the second core does what the row says.", "",
         "| second core | load (tokens/s) | prefill p10 (ms) | p50 | p90 |", "|---|---|---|---|---|", *rows])
     publish(results, args.out, "pinned_prefill", "What slows a pinned node's prefill (pinned_prefill)", text)

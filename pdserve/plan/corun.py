@@ -7,16 +7,29 @@ with one engine alone predicts the steps of a lone node; two busy nodes may each
 profile records the ratio (Profile.corun) and the simulator applies it while another node of the
 host computes. On the 2-vCPU AMX Xeon where it was first measured it is x1.00: it did not explain
 simcheck's low TPOT there (docs/benchmarks.md).
+
+The engines are not all that shares the host: the proxy (and a client) run wherever the OS puts
+them and are woken at every streamed token. relay_samples times a pinned node's prefill while
+another node's streams are relayed that way; the simulator applies the ratio to prefills while a
+stream is under way, and the proxy's own hop to every request.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import statistics
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
+
 from pdserve.config import EngineConfig
+from pdserve.procs import Child, ProcessGroup
+from pdserve.workload import random_prompts
 
 TWIN_PROMPT, TWIN_BATCH, TWIN_TOKENS = 512, 4, 16  # like speed_index: a 512-token prefill, 4 decoding
 
@@ -70,3 +83,116 @@ def pinned(core: int) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+# -- what the host's relaying of streams costs a pinned node's prefill ---------------------------
+
+RELAY_PROMPT, RELAY_STREAM_TOKENS = 128, 200
+
+
+def stream_load(url: str, cores: set[int], streams: int, stop, tokens) -> None:
+    """A client on `cores`: `streams` answers at a time from `url`, one after another until `stop`
+    (`tokens`, a shared counter, counts the streamed tokens)."""
+    os.sched_setaffinity(0, cores)
+    body = {"prompt": "Tell me a long story about the sea.", "max_tokens": RELAY_STREAM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    def one() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            with tokens.get_lock():
+                                tokens.value += 1
+
+    threads = [threading.Thread(target=one) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def prefills(url: str, n: int, seed: int) -> list[float]:
+    """The node's engine's own prefill (ms) of `n` fresh RELAY_PROMPT-token prompts, one at a time."""
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for ids in random_prompts(n, RELAY_PROMPT, seed):
+            r = client.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            out.append(float(r.headers["x-pdserve-ttft-ms"]) - float(r.headers["x-pdserve-queue-ms"]))
+            time.sleep(0.3)  # one at a time, and the load's steps between them
+    return out
+
+
+def prefills_beside(url: str, n: int, seed: int, load_url: str | None = None, load_cores: set[int] | None = None,
+                    streams: int = 3) -> dict:
+    """`prefills` of the node at `url` while a client on `load_cores` streams from `load_url` (None: no load)."""
+    context = multiprocessing.get_context("spawn")
+    stop, tokens = context.Event(), context.Value("l", 0)
+    client = None
+    if load_url is not None:
+        client = context.Process(target=stream_load, args=(load_url, load_cores, streams, stop, tokens), daemon=True)
+        client.start()
+        time.sleep(3)  # the streams under way
+    try:
+        began, before = time.monotonic(), tokens.value
+        ms = prefills(url, n, seed)
+        rate = (tokens.value - before) / (time.monotonic() - began)
+    finally:
+        stop.set()
+        if client is not None:
+            client.join(60)
+            if client.is_alive():
+                client.kill()
+    deciles = statistics.quantiles(ms, n=10)
+    return {"prefill_ms": ms, "p10_ms": deciles[0], "p50_ms": statistics.median(ms), "p90_ms": deciles[-1],
+            "load_tokens_per_s": rate}
+
+
+def answer_hops_ms(url: str, n: int, seed: int) -> list[float]:
+    """One-token answers from `url` (a node, or a colocated proxy in front of one) minus the node's
+    engine's own TTFT: x-pdserve-ttft-ms from a node, queue + prefill from a proxy. One client kept."""
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for ids in random_prompts(n, RELAY_PROMPT, seed):
+            start = time.perf_counter()
+            r = client.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
+            seconds = time.perf_counter() - start
+            r.raise_for_status()
+            h = r.headers
+            engine_ms = float(h["x-pdserve-ttft-ms"]) if "x-pdserve-ttft-ms" in h else \
+                float(h["x-pdserve-queue-ms"]) + float(h["x-pdserve-prefill-ms"])
+            out.append(seconds * 1e3 - engine_ms)
+    return out
+
+
+def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int = 20, streams: int = 3) -> dict:
+    """As `pdserve up` runs a host: node A pinned to the first core, node B to the second, a proxy
+    in front of B on both (the OS places it). The proxy's own hop (one-token answers through it minus
+    those from B directly, both idle), then A's prefills with the second core idle and while B
+    streams `streams` answers through the proxy to a client the OS places too. The proxy's
+    processes, woken at every relayed token, land on A's core: its prefill runs slower."""
+    both = set(cores)
+    with tempfile.TemporaryDirectory(prefix="pdserve-relay-") as logs, ProcessGroup() as group:
+        a = Child.on_free_port("a", ["serve", "--role", "both", *engine_args], (cores[0],), log_path=f"{logs}/a.log")
+        b = Child.on_free_port("b", ["serve", "--role", "both", *engine_args], (cores[1],), log_path=f"{logs}/b.log")
+        for child in (a, b):
+            group.start(child)
+        group.wait_ready([a, b], 600)
+        proxy = Child.on_free_port("proxy", ["proxy", "--mode", "colocated", "--node", b.url], tuple(sorted(both)),
+                                   log_path=f"{logs}/proxy.log")
+        group.start(proxy)
+        group.wait_ready([proxy], 60)
+        prefills(a.url, 3, 1)  # warm-up
+        answer_hops_ms(proxy.url, 3, 2)
+        direct, via_proxy = answer_hops_ms(b.url, prompts, 3), answer_hops_ms(proxy.url, prompts, 4)
+        idle = prefills_beside(a.url, prompts, 100)
+        relayed = prefills_beside(a.url, prompts, 200, proxy.url, both, streams)
+    return {"direct_hop_ms": direct, "proxy_hop_ms": via_proxy, "idle_prefill_ms": idle["prefill_ms"],
+            "relayed_prefill_ms": relayed["prefill_ms"], "relayed_tokens_per_s": relayed["load_tokens_per_s"]}
+
+
+def relay_factor(samples: dict) -> float:
+    """A's median prefill while streams are relayed over its median with the other core idle."""
+    return statistics.median(samples["relayed_prefill_ms"]) / statistics.median(samples["idle_prefill_ms"])

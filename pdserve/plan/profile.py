@@ -35,7 +35,7 @@ import torch
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS, available
-from pdserve.plan.corun import pinned, twin_busy
+from pdserve.plan.corun import pinned, relay_factor, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, one_start
 from pdserve.platform import CpuInfo
@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 TRANSFER_FEATURES = ["one", "bytes"]
-NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "gap_excess_s": []}  # profiles from before them
-NO_CORUN = {"prefill": 1.0, "decode": 1.0}  # one core, or a profile from before it was measured
+NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "proxy_s": 0.0,
+              "gap_excess_s": []}  # profiles from before them
+NO_CORUN = {"prefill": 1.0, "decode": 1.0, "relay": 1.0}  # one core, or a profile from before it was measured
 
 
 @dataclass
@@ -92,11 +93,13 @@ class Profile:
     # What serving over HTTP adds to the engine's costs, from probes of one idle node: request_s
     # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
     # for streaming the tokens to the client (the first arrives that much later), step_s per step;
+    # proxy_s: what a proxy in front adds to a request (full profiles: plan/corun.py's relay_samples);
     # gap_excess_s: each streamed gap minus its probe's median gap, sorted (a stream's longest gap is
     # the tail of these: the simulator's GapJitter).
     serving: dict = field(default_factory=lambda: dict(NO_SERVING))
     # How much slower (speed_index) prefill and decode run while a twin engine computes on another
-    # core of this host (plan/corun.py): nodes that share a host, as `pdserve up` starts them.
+    # core of this host (plan/corun.py): nodes that share a host, as `pdserve up` starts them;
+    # relay: how much slower a served node prefills while the host's proxy relays another node's streams.
     corun: dict = field(default_factory=lambda: dict(NO_CORUN))
 
     @property
@@ -287,13 +290,20 @@ def measure_transfers(points: ProfilePoints) -> list[dict]:
     return samples
 
 
+def two_cores(config: EngineConfig) -> tuple[int, int] | None:
+    """The two cores the co-run measurements pin to; None where this process may use one core only,
+    or for a profile of more threads (one core could not hold them: `pdserve up` gives such a node
+    cores of its own)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return None if len(cores) < 2 or (config.threads or 1) > 1 else (cores[0], cores[1])
+
+
 def corun_factors(engine: LLMEngine, config: EngineConfig, seed: int) -> dict[str, float]:
     """speed_index on one core while a twin engine computes on another, over speed_index alone on
-    it; 1.0 where this process may use one core only, or for a profile of more threads (one core
-    could not hold them: `pdserve up` gives such a node cores of its own)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2 or (config.threads or 1) > 1:
-        return dict(NO_CORUN)
+    it; 1.0 without two_cores."""
+    cores = two_cores(config)
+    if cores is None:
+        return {"prefill": 1.0, "decode": 1.0}
     with pinned(cores[0]):
         alone = speed_index(engine, seed)
         with twin_busy(replace(config, kv_transfer=KVTransferConfig()), cores[1]):
@@ -319,6 +329,9 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         engine.close()
     transfers = measure_transfers(points)
     starts = [one_start(config.dtype, config.model, probes=6 if i == 0 else 0) for i in range(points.startup_runs)]
+    cores = two_cores(config)
+    serve_args = ["--dtype", config.dtype, "--threads", "1"] + (["--model", config.model] if config.model else [])
+    relay = relay_samples(serve_args, cores) if points.corun and cores else None
 
     cpu = CpuInfo.detect()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
@@ -326,9 +339,11 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
             "node": node, "quick": points == ProfilePoints.quick(), "corun_measured": corun is not None}
     samples = {"prefill": prefill, "decode": decode, "transfer": transfers,
                "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]}
+    if relay:
+        samples["relay"] = relay
     profile = fitted(meta, samples, statistics.median(s["startup_s"] for s in starts))
     profile.speed = speed
-    profile.corun = corun or dict(NO_CORUN)
+    profile.corun = {**NO_CORUN, **(corun or {}), **({"relay": relay_factor(relay)} if relay else {})}
     return profile
 
 
@@ -346,7 +361,7 @@ def fitted(meta: dict, samples: dict, startup_s: float) -> Profile:
                                "decode_step": "a + b * seqs + c * kv_tokens + sum_k d_k * max(0, seqs - k)",
                                "transfer": "latency + bytes / bandwidth"}}
     profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, startup_s, samples)
-    profile.serving = serving_overheads(profile, samples["serving_probes"])
+    profile.serving = serving_overheads(profile, samples["serving_probes"], samples.get("relay"))
     return profile
 
 
@@ -366,10 +381,11 @@ def decode_features(batches: list[int]) -> list[str]:
     return DECODE_BASE + [f"seqs>{b}" for b in sorted(set(batches))[1:-1]]
 
 
-def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
+def serving_overheads(profile: Profile, probes: list[dict], relay: dict | None = None) -> dict:
     """Medians of what a client saw beyond the engine's costs: the one-token answer's latency minus
     the node's engine's own TTFT (probes before it was recorded: minus the fitted prefill step);
-    streamed TTFT minus that latency; TPOT minus a one-sequence decode step at the probe's mean context."""
+    streamed TTFT minus that latency; TPOT minus a one-sequence decode step at the probe's mean
+    context; with `relay` (relay_samples), the hop through a proxy minus the hop to the node."""
     mid_context = PROBE_PROMPT + PROBE_TOKENS // 2
     request = statistics.median(p["reply_s"] - p.get("engine_ttft_s", profile.prefill_chunk_time(p["prompt_tokens"], 0))
                                 for p in probes)
@@ -377,8 +393,10 @@ def serving_overheads(profile: Profile, probes: list[dict]) -> dict:
     step = statistics.median(p["tpot_s"] - profile.decode_step_time(1, mid_context) for p in probes)
     excess = sorted(round(gap - statistics.median(p["gaps_s"]), 6) for p in probes if p.get("gaps_s")
                     for gap in p["gaps_s"])
+    proxy = (statistics.median(relay["proxy_hop_ms"]) - statistics.median(relay["direct_hop_ms"])) / 1e3 \
+        if relay else 0.0
     return {"request_s": max(request, 0.0), "stream_s": max(stream, 0.0), "step_s": max(step, 0.0),
-            "gap_excess_s": excess}
+            "proxy_s": max(proxy, 0.0), "gap_excess_s": excess}
 
 
 def sorted_quantile(xs: Sequence[float], q: float) -> float:
@@ -407,7 +425,9 @@ def describe(profile: Profile) -> str:
     lines.append(f"  node start-up = {profile.startup_s:.1f} s")
     lines.append(f"  serving over HTTP adds {profile.serving['request_s'] * 1e3:.1f} ms per request hop, "
                  f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
-                 f"{profile.serving['step_s'] * 1e3:.2f} ms per step")
+                 f"{profile.serving['step_s'] * 1e3:.2f} ms per step"
+                 + (f"; a proxy in front adds {profile.serving['proxy_s'] * 1e3:.1f} ms a request"
+                    if profile.samples.get("relay") else ""))
     excess = profile.serving.get("gap_excess_s")
     if excess:
         at = [sorted_quantile(excess, q) * 1e3 for q in (0.5, 0.9, 0.99)]
@@ -415,7 +435,9 @@ def describe(profile: Profile) -> str:
                      f"{excess[-1] * 1e3:.1f} ms at p50 / p90 / p99 / max ({len(excess)} gaps)")
     if profile.corun_measured:
         lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
-                     f"decode x{profile.corun['decode']:.2f}")
+                     f"decode x{profile.corun['decode']:.2f}"
+                     + (f"; a served node prefills x{profile.corun['relay']:.2f} while the host's proxy relays "
+                        f"streams" if profile.samples.get("relay") else ""))
     else:
         lines.append("  beside another busy core of this host: not measured (--quick; `simulate --one-host` "
                      "takes x1.00)")

@@ -25,16 +25,17 @@ class Costs:
     step_hinges: tuple[tuple[int, float], ...]  # (k, d): + d * max(0, seqs - k), the measured batch sizes
     step_serving: float  # what the server adds to every step (profile.serving)
     request_hop: float  # what one HTTP hop adds before a node starts a request
-    stream_delay: float  # how much later than the engine the client sees a streamed token
+    stream_delay: float  # how much later than the engine the client sees a streamed token (the proxy's hop with it)
     gap_excess: tuple[float, ...] = ()  # a streamed gap beyond its stream's median, sorted (serving's gap_excess_s)
 
     @classmethod
     def of(cls, profile: Profile) -> Costs:
         p = dict(zip(profile.prefill_chunk.features, profile.prefill_chunk.coefficients))
         (a, b, c), hinges = decode_hinges(asdict(profile.decode_step))
-        return cls(p["one"], p["tokens"], p["attention_pairs"], a, b, c, hinges,
-                   profile.serving["step_s"], profile.serving["request_s"], profile.serving["stream_s"],
-                   tuple(profile.serving.get("gap_excess_s", ())))
+        serving = profile.serving
+        return cls(p["one"], p["tokens"], p["attention_pairs"], a, b, c, hinges, serving["step_s"], serving["request_s"],
+                   serving["stream_s"] + serving.get("proxy_s", 0.0),
+                   tuple(serving.get("gap_excess_s", ())))
 
     def chunk(self, tokens: int, context_before: int) -> float:
         return self.chunk_fixed + tokens * (self.chunk_token + self.chunk_pair * (context_before + tokens / 2))
@@ -57,6 +58,9 @@ class Simulation:
         # Every node on one core of one host (as `pdserve up` starts them): a step runs the
         # profile's co-run factors slower while another node computes (plan/corun.py).
         self.corun = (profile.corun["prefill"], profile.corun["decode"]) if one_host else None
+        # ... and a prefill runs the profile's relay factor slower while a stream is under way: the
+        # proxy relaying it is woken on the node's core at every token.
+        self.relay = profile.corun.get("relay", 1.0) if one_host else 1.0
         self.nodes: list = []  # the SimNodes, which tell each other when they start and stop computing
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []

@@ -302,12 +302,16 @@ class SimNode:
                 job.on_done(now)
 
     def _corun(self) -> tuple[float, float]:
-        """(prefill, decode) slow-down of a step starting now: the co-run factors while another
-        node of the host computes (Simulation(one_host=True)), else none."""
+        """(prefill, decode) slow-down of a step starting now on one host (Simulation(one_host=True)):
+        the co-run factors while another node computes, prefill's relay factor while a stream is
+        under way (a running request past its first token on any node); else none."""
         corun = self.sim.corun
-        if corun is None or not any(n.active for n in self.sim.nodes if n is not self):
+        if corun is None:
             return 1.0, 1.0
-        return corun
+        relay = self.sim.relay if any(r.num_output_tokens for n in self.sim.nodes for r in n.scheduler.running) else 1.0
+        if not any(n.active for n in self.sim.nodes if n is not self):
+            return relay, 1.0
+        return corun[0] * relay, corun[1]
 
     def _tell_host(self) -> None:
         """This node started or stopped computing: the host's other nodes end their decode runs
