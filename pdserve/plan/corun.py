@@ -113,16 +113,23 @@ def stream_load(url: str, cores: set[int], streams: int, stop, tokens) -> None:
         t.join()
 
 
-def prefills(url: str, n: int, seed: int) -> list[float]:
-    """The node's engine's own prefill (ms) of `n` fresh RELAY_PROMPT-token prompts, one at a time."""
+def one_token_answers(url: str, n: int, seed: int, pause_s: float = 0.0) -> list[tuple[float, httpx.Headers]]:
+    """`n` fresh RELAY_PROMPT-token prompts answered with one token, one at a time (`pause_s`
+    between them), by one client kept open: (seconds the client waited, the answer's headers)."""
     out = []
     with httpx.Client(timeout=60) as client:
         for ids in random_prompts(n, RELAY_PROMPT, seed):
+            start = time.perf_counter()
             r = client.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
-            r.raise_for_status()
-            out.append(float(r.headers["x-pdserve-ttft-ms"]) - float(r.headers["x-pdserve-queue-ms"]))
-            time.sleep(0.3)  # one at a time, and the load's steps between them
+            out.append((time.perf_counter() - start, r.raise_for_status().headers))
+            time.sleep(pause_s)
     return out
+
+
+def prefills(url: str, n: int, seed: int) -> list[float]:
+    """The node's engine's own prefill (ms) of `n` fresh prompts, one at a time."""
+    return [float(h["x-pdserve-ttft-ms"]) - float(h["x-pdserve-queue-ms"])
+            for _, h in one_token_answers(url, n, seed, pause_s=0.3)]  # and the load's steps between them
 
 
 def prefills_beside(url: str, n: int, seed: int, load_url: str | None = None, load_cores: set[int] | None = None,
@@ -152,19 +159,13 @@ def prefills_beside(url: str, n: int, seed: int, load_url: str | None = None, lo
 
 def answer_hops_ms(url: str, n: int, seed: int) -> list[float]:
     """One-token answers from `url` (a node, or a colocated proxy in front of one) minus the node's
-    engine's own TTFT: x-pdserve-ttft-ms from a node, queue + prefill from a proxy. One client kept."""
-    out = []
-    with httpx.Client(timeout=60) as client:
-        for ids in random_prompts(n, RELAY_PROMPT, seed):
-            start = time.perf_counter()
-            r = client.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
-            seconds = time.perf_counter() - start
-            r.raise_for_status()
-            h = r.headers
-            engine_ms = float(h["x-pdserve-ttft-ms"]) if "x-pdserve-ttft-ms" in h else \
-                float(h["x-pdserve-queue-ms"]) + float(h["x-pdserve-prefill-ms"])
-            out.append(seconds * 1e3 - engine_ms)
-    return out
+    engine's own TTFT: x-pdserve-ttft-ms from a node, queue + prefill from a proxy."""
+    def engine_ms(h: httpx.Headers) -> float:
+        if "x-pdserve-ttft-ms" in h:
+            return float(h["x-pdserve-ttft-ms"])
+        return float(h["x-pdserve-queue-ms"]) + float(h["x-pdserve-prefill-ms"])
+
+    return [seconds * 1e3 - engine_ms(h) for seconds, h in one_token_answers(url, n, seed)]
 
 
 def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int = 20, streams: int = 3) -> dict:
