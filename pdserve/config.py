@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.platform import kernel_mode
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: chosen from the device (pdserve.platform)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's compute dtype
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, for decode (models/quantization.py)
@@ -160,6 +158,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        from pdserve.platform import kernel_mode  # here: platform brings torch, which the proxy does without
+
         kernel_mode(self.kernels)  # a bad value (or $PDSERVE_KERNELS) is an error now, not at load
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
