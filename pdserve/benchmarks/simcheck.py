@@ -148,8 +148,7 @@ def stage_medians(point: dict) -> dict[str, float]:
 def stages_line(real: dict, sim: dict) -> str:
     """Where TTFT went, real / simulated medians: which stage a TTFT error comes from."""
     r, s = stage_medians(real), stage_medians(sim)
-    return "TTFT stages (median ms) real / sim: " + ", ".join(
-        f"{k} {r[k]:.0f} / {s[k]:.0f}" if k in s else f"{k} {r[k]:.0f} / -" for k in r)
+    return "TTFT stages (median ms) real / sim: " + ", ".join(f"{k} {pair(r, s, k)}" for k in r)
 
 
 def where_table(res: dict) -> str:
@@ -176,7 +175,8 @@ def where_table(res: dict) -> str:
 
 
 def pair(real: dict[str, float], sim: dict[str, float], stage: str) -> str:
-    """A stage's real / simulated median, `-` where a run did not record it (P and D apart only)."""
+    """A stage's real / simulated median, `-` where a run did not record it (P and D apart only, or
+    a stage the simulator does not give)."""
     return f"{real[stage]:.0f} / {sim[stage]:.0f}" if stage in real and stage in sim else "-"
 
 

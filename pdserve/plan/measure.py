@@ -133,11 +133,15 @@ def bench_backends(mib: float, repeats: int, names: tuple[str, ...] | None = Non
     return results
 
 
+def node_args(dtype: str, model: str | None = None) -> list[str]:
+    """`pdserve serve`'s flags for a profiled node: the engine's dtype and model, one thread."""
+    return ["--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
+
+
 def one_start(dtype: str, model: str | None = None, probes: int = 0) -> dict:
     """Start `pdserve serve` (one thread, pinned): seconds to healthy, idle RSS, and with `probes`
     that many `probe`s sent one at a time (one more first, to warm up)."""
-    args = ["serve", "--dtype", dtype, "--threads", "1"] + (["--model", model] if model else [])
-    node = Child.on_free_port("node", args, cores=(0,), log_path=os.devnull)
+    node = Child.on_free_port("node", ["serve", *node_args(dtype, model)], cores=(0,), log_path=os.devnull)
     with ProcessGroup(stop_grace_s=30) as group:
         start = time.perf_counter()
         group.start(node)

@@ -37,7 +37,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS, available
 from pdserve.plan.corun import pinned, relay_factor, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
-from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, one_start
+from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start
 from pdserve.platform import CpuInfo
 from pdserve.proxy.costs import DECODE_BASE, decode_hinges
 from pdserve.sampling_params import SamplingParams
@@ -332,8 +332,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     transfers = measure_transfers(points)
     starts = [one_start(config.dtype, config.model, probes=6 if i == 0 else 0) for i in range(points.startup_runs)]
     cores = two_cores(config)
-    serve_args = ["--dtype", config.dtype, "--threads", "1"] + (["--model", config.model] if config.model else [])
-    relay = relay_samples(serve_args, cores) if points.corun and cores else None
+    relay = relay_samples(node_args(config.dtype, config.model), cores) if points.corun and cores else None
 
     cpu = CpuInfo.detect()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def exposed_push_wait(kv_wait_s: float, prefill_span_s: float) -> float:
+    """Push: D waits for the KV through P's whole prefill (it reserved its blocks first); only what
+    passed P's answer (`prefill_span_s` after the request arrived) is the transfer's."""
+    return max(kv_wait_s - prefill_span_s, 0.0)
+
+
 @dataclass
 class RequestTiming:
     """Proxy-side timestamps plus the stage split the nodes report in their headers."""

@@ -168,7 +168,8 @@ class SimNode:
 
     def _receive(self, job: Job) -> None:
         push = job.kv_params.is_push
-        result = TransferResult(str(job.request_id), None, "push" if push else "pull", first_token_id=0 if push else None)
+        result = TransferResult(str(job.request_id), None, "push" if push else "pull",
+                                first_token_id=0 if push else None)
         outputs = self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
         self._tokens(outputs, self.sim.now)  # D starts from P's first token, which the client gets now
         self._done(outputs, self.sim.now)
@@ -308,7 +309,9 @@ class SimNode:
         corun = self.sim.corun
         if corun is None:
             return 1.0, 1.0
-        relay = self.sim.relay if any(r.num_output_tokens for n in self.sim.nodes for r in n.scheduler.running) else 1.0
+        streaming = self.sim.relay != 1.0 and any(r.num_output_tokens for n in self.sim.nodes
+                                                  for r in n.scheduler.running)
+        relay = self.sim.relay if streaming else 1.0
         if not any(n.active for n in self.sim.nodes if n is not self):
             return relay, 1.0
         return corun[0] * relay, corun[1]

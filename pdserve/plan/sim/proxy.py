@@ -18,6 +18,7 @@ from pdserve.proxy.costs import CostModel
 from pdserve.proxy.placement import Placer
 from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
 from pdserve.proxy.prefix_index import NodeCache
+from pdserve.proxy.timing import exposed_push_wait
 from pdserve.workload import BenchRequest
 
 
@@ -243,7 +244,7 @@ def answered_stages(tracker: Tracker, job: Job) -> None:
         return
     kv_ms = m.kv_load_seconds * 1e3
     if job.kv_params is not None and job.kv_params.is_push:
-        kv_ms = max(kv_ms - tracker.stages["queue"] - tracker.stages["prefill"], 0.0)
+        kv_ms = exposed_push_wait(kv_ms, tracker.stages["queue"] + tracker.stages["prefill"])
     else:  # pull: the proxy asked D as soon as P answered
         tracker.stages["handoff"] = 0.0
     tracker.stages.update({"decode-queue": queue * 1e3, "kv-load": kv_ms, "decode-ttft": (m.ttft or 0.0) * 1e3})

@@ -20,7 +20,7 @@ from pdserve.proxy.client import NodeError, header_seconds, upstream_error
 from pdserve.proxy.echo import prompt_only
 from pdserve.proxy.flows.base import ClientRequest, Flow
 from pdserve.proxy.policies import Node, select_prefiller
-from pdserve.proxy.timing import RequestTiming
+from pdserve.proxy.timing import RequestTiming, exposed_push_wait
 
 
 class PushFlow(Flow):
@@ -48,7 +48,7 @@ class PushFlow(Flow):
     def split_stages(self, response: httpx.Response, timing: RequestTiming) -> None:
         """D waited through P's whole prefill: count as transfer only what was exposed after it."""
         kv_wait = header_seconds(response, "x-pdserve-kv-load-ms")
-        timing.transfer_s = max(kv_wait - ((timing.prefill_done or timing.arrival) - timing.arrival), 0.0)
+        timing.transfer_s = exposed_push_wait(kv_wait, (timing.prefill_done or timing.arrival) - timing.arrival)
 
     async def _push_once(self, decoder: Node, req: ClientRequest) -> Response:
         """D first (it reserves blocks and announces them), then P, which pushes layer by layer."""
