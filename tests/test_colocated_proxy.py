@@ -65,6 +65,15 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
             proc.stop()
 
 
+def test_the_proxy_and_the_clis_checks_start_without_torch():
+    """Importing torch costs ~1.5 s a process here: the proxy, the CLI and the workloads do without it
+    (every CLI test and every proxy start paid it before)."""
+    code = ("import sys, pdserve, pdserve.cli, pdserve.proxy.app, pdserve.workload; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
 def test_proxy_flags_must_fit_the_mode():
     for args, message in ((["--mode", "colocated"], "colocated mode needs at least one colocated node (--node"),
                           (["--mode", "pull", "--prefill", "http://x:1"], "needs at least one prefill and one decode"),
