@@ -6,20 +6,16 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 
 import httpx
 import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
-from pdserve.benchmarks.simcheck import errors, idle_level, relay_note, within_targets
+from pdserve.benchmarks.simcheck import errors, idle_level, within_targets
 from pdserve.plan.corun import prefills_beside
-from pdserve.plan.profile import Profile, relayed
 from pdserve.procinfo import cpu_seconds, descendants
 
-REPO = Path(__file__).resolve().parent.parent
 REAL = {"median_ttft_ms": 400.0, "p99_ttft_ms": 5000.0, "median_tpot_ms": 30.0, "p99_tpot_ms": 80.0,
         "request_throughput": 0.5, "slo_attainment": 0.8}
 
@@ -107,20 +103,3 @@ def test_pinned_prefill_times_a_nodes_engine_prefill_with_and_without_a_streamin
     assert quiet["p10_ms"] <= quiet["p50_ms"] <= quiet["p90_ms"] and quiet["load_tokens_per_s"] == 0
     loaded = prefills_beside(fp32_node.url, 3, 8, fp32_node.url, set(os.sched_getaffinity(0)), 1)
     assert loaded["load_tokens_per_s"] > 0 and all(ms > 0 for ms in loaded["prefill_ms"])
-
-
-def test_the_serving_measured_before_a_setups_runs_replaces_the_profiles():
-    """simcheck simulates each setup with the relay factor and proxy hop measured just before its
-    runs (relayed); the docs name each setup's factor beside the profile's."""
-    profile = Profile.load(REPO / "docs/results/simcheck_profile.json")
-    samples = {"direct_hop_ms": [3.0, 3.0, 3.0], "proxy_hop_ms": [7.0, 8.0, 9.0],
-               "idle_prefill_ms": [100.0, 100.0, 100.0], "relayed_prefill_ms": [130.0, 125.0, 120.0]}
-    now = relayed(profile, samples)
-    assert now.corun["relay"] == pytest.approx(1.25) and now.serving["proxy_s"] == pytest.approx(0.005)
-    assert {k: v for k, v in now.corun.items() if k != "relay"} == {k: v for k, v in profile.corun.items()
-                                                                    if k != "relay"}
-    assert now.serving["request_s"] == profile.serving["request_s"] and profile.corun["relay"] != pytest.approx(1.25)
-    note = relay_note({"profile": asdict(profile), "setups": {"c": {"relay": samples}, "a": {"relay": None}}})
-    assert "(c) x1.25" in note and "(a)" not in note and f"x{profile.corun['relay']:.2f}" in note
-    assert relay_note({"profile": asdict(profile), "setups": {"a": {}}}) == ""
-

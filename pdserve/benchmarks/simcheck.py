@@ -10,9 +10,7 @@ workload twice (`mixed`, the study's, or `multiturn`: conversations, the rate is
 profile. The profile gives the costs' shape; their level comes from the idle node the study
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
-setup's runs: this shared host's speed drifts by tens of percent within an hour), and so does what
-the host's serving costs (the relay factor and the proxy's hop, plan/corun.py relay_samples, measured
-before each setup's runs: about a minute; `--no-track-serving` keeps the profile's). `--real-from`
+setup's runs: this shared host's speed drifts by tens of percent within an hour). `--real-from`
 an earlier JSON simulates its real runs again, with its profile or --profile; `--merge-into` one
 runs the given setups for real again on its terms (profile, SLOs, calibration) and replaces them
 there (when other load disturbed a setup's runs). Prints the error of
@@ -53,9 +51,7 @@ from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
 from pdserve.benchmarks.study import Setup as StudySetup
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.plan.corun import relay_factor, relay_samples
-from pdserve.plan.measure import node_args
-from pdserve.plan.profile import Profile, ProfilePoints, describe, relayed, run_profile, speed_index, two_cores
+from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
 from pdserve.plan.sim import Setup, simulate
 from pdserve.platform import plan_kernels
 from pdserve.workload import goodput_items
@@ -218,9 +214,6 @@ def main() -> None:
                         help="simulate with the profile as measured, not scaled to the machine's speed at each setup")
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="do not set the costs' level from the idle node measured before the runs")
-    parser.add_argument("--no-track-serving", dest="track_serving", action="store_false",
-                        help="simulate with the profile's relay factor and proxy hop, not those measured "
-                             "before each setup's runs")
     again = parser.add_mutually_exclusive_group()
     again.add_argument("--real-from", default=None, metavar="JSON",
                        help="take the real runs, rates and SLOs from an earlier simcheck JSON; simulate again")
@@ -271,10 +264,6 @@ def main() -> None:
     # The machine's speed now, before and after each setup's runs, against the profile's: a
     # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
     engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
-    # ... and what the host's serving costs now (plan/corun.py relay_samples, ~1 min): the proxy's
-    # hop and how much slower a node prefills while the proxy relays streams drift with the host
-    # too, and the engine's speed index does not see them.
-    cores = None if earlier or not args.track_serving else two_cores(EngineConfig(dtype=args.dtype, threads=1))
     # The drift the idle node was measured at (that of the first setup run after it), as recorded:
     # a setup run again later (--merge-into) records its own.
     level, first_drift = idle_level(profile, idle), (earlier or base or {}).get("idle_drift")
@@ -285,11 +274,9 @@ def main() -> None:
         setup = SETUPS[key]
         if earlier:
             real, speed = earlier["setups"][key]["real"], earlier["setups"][key].get("speed", [])
-            relay = earlier["setups"][key].get("relay")
         else:
             seed = 10_000 * (1 + args.setups.index(key))  # fresh prompts for every speed_index
             speed = [speed_index(engine, seed)] if engine else []
-            relay = relay_samples(node_args(args.dtype), cores) if cores else None
             real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos,
                              args.workload, auto_args(setup, Path(args.profile or profile_path), slos))
             speed += [speed_index(engine, seed + 1000)] if engine else []
@@ -299,23 +286,18 @@ def main() -> None:
         factors = {k: level[k] * drift[k] / first_drift[k] for k in level} if args.calibrate else drift
         print(f"[{key}] costs scaled by prefill x{factors['prefill']:.2f}, decode x{factors['decode']:.2f} "
               f"(machine drift against the profile: x{drift['prefill']:.2f}, x{drift['decode']:.2f})", flush=True)
-        serving = relayed(profile, relay) if relay else profile
-        if relay:
-            print(f"[{key}] serving now: relay x{serving.corun['relay']:.2f}, proxy hop "
-                  f"{serving.serving['proxy_s'] * 1e3:.1f} ms (profile: x{profile.corun.get('relay', 1.0):.2f}, "
-                  f"{profile.serving.get('proxy_s', 0.0) * 1e3:.1f} ms)", flush=True)
-        sim = simulated_points(serving.scaled(factors), key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
+        sim = simulated_points(profile.scaled(factors), key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
                                args.workload)
         for point in real + sim:  # per-token gaps: megabytes, and their percentiles are in the summaries
             point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
-                              "speed": speed, "drift": drift, "cost_factors": factors, "relay": relay,
+                              "speed": speed, "drift": drift, "cost_factors": factors,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
         for rate, err, point, simulated in zip(args.rates, res["setups"][key]["errors"], real, sim):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
             if "host_load" in point:  # runs recorded since host_load was
-                point["host_reading"] = host_load.against_profile(point["host_load"], serving.scaled(factors),
+                point["host_reading"] = host_load.against_profile(point["host_load"], profile.scaled(factors),
                                                                   point["total_output_tokens"])
                 print(f"[{key}] rate {rate}: {host_load.line(point['host_reading'])}", flush=True)
                 point["host_reading"]["decode_steps"] = steps = host_load.decode_steps(point["host_load"]["decode"])
@@ -343,16 +325,6 @@ def corun_note(res: dict) -> str:
             f"x{corun['decode']:.2f} (decode) slower while another node computed (the profile's co-run factors)")
 
 
-def relay_note(res: dict) -> str:
-    """The relay factor each setup was simulated with, where measured before its runs."""
-    measured = {k: relay_factor(v["relay"]) for k, v in res["setups"].items() if v.get("relay")}
-    if not measured:
-        return ""
-    return (". Measured before each setup's runs, a node's prefill ran slower while the proxy relayed streams "
-            "(relay): " + ", ".join(f"({k}) x{f:.2f}" for k, f in measured.items())
-            + f" (the profile's: x{res['profile'].get('corun', {}).get('relay', 1.0):.2f})")
-
-
 def finish(res: dict, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -372,7 +344,7 @@ def finish(res: dict, args) -> None:
             f"{table(res)}\n\nCost factors (prefill, decode) per setup, idle level x drift: "
             + ", ".join(f"({k}) x{v['cost_factors']['prefill']:.2f} / x{v['cost_factors']['decode']:.2f}"
                         for k, v in res["setups"].items())
-            + corun_note(res) + relay_note(res)
+            + corun_note(res)
             + ".\n\nWhere the time went, real / simulated: medians of the stages the proxy's x-pdserve-*-ms "
             "headers split TTFT into (the rest: the hops to the answering node, its wait for a step to end, the "
             "stream; P's and D's engines' own times, where recorded, tell the nodes' HTTP and the proxy's hops "

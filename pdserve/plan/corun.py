@@ -197,8 +197,3 @@ def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int =
 def relay_factor(samples: dict) -> float:
     """A's median prefill while streams are relayed over its median with the other core idle."""
     return statistics.median(samples["relayed_prefill_ms"]) / statistics.median(samples["idle_prefill_ms"])
-
-
-def proxy_hop_s(samples: dict) -> float:
-    """What the proxy adds to a request: its median hop over the node's (never below 0)."""
-    return max((statistics.median(samples["proxy_hop_ms"]) - statistics.median(samples["direct_hop_ms"])) / 1e3, 0.0)

@@ -35,7 +35,7 @@ import torch
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS, available
-from pdserve.plan.corun import pinned, proxy_hop_s, relay_factor, relay_samples, twin_busy
+from pdserve.plan.corun import pinned, relay_factor, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start
 from pdserve.platform import CpuInfo
@@ -394,15 +394,10 @@ def serving_overheads(profile: Profile, probes: list[dict], relay: dict | None =
     step = statistics.median(p["tpot_s"] - profile.decode_step_time(1, mid_context) for p in probes)
     excess = sorted(round(gap - statistics.median(p["gaps_s"]), 6) for p in probes if p.get("gaps_s")
                     for gap in p["gaps_s"])
+    proxy = (statistics.median(relay["proxy_hop_ms"]) - statistics.median(relay["direct_hop_ms"])) / 1e3 \
+        if relay else 0.0
     return {"request_s": max(request, 0.0), "stream_s": max(stream, 0.0), "step_s": max(step, 0.0),
-            "proxy_s": proxy_hop_s(relay) if relay else 0.0, "gap_excess_s": excess}
-
-
-def relayed(profile: Profile, samples: dict) -> Profile:
-    """`profile` with the relay factor and proxy hop of these relay_samples (measured later, as the
-    host's serving runs now)."""
-    return replace(profile, corun={**profile.corun, "relay": relay_factor(samples)},
-                   serving={**profile.serving, "proxy_s": proxy_hop_s(samples)})
+            "proxy_s": max(proxy, 0.0), "gap_excess_s": excess}
 
 
 def sorted_quantile(xs: Sequence[float], q: float) -> float:
