@@ -4,21 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from pdserve.llm import LLM
-    from pdserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: the proxy and the CLI's checks need neither, and LLM brings torch (~1.4 s).
+    # LLM is imported on first use: it brings torch (~1.4 s), which the proxy and the CLI's checks do without.
     if name == "LLM":
         from pdserve.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from pdserve.sampling_params import SamplingParams
-
-        return SamplingParams
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")
