@@ -18,7 +18,7 @@ from servers import free_port
 
 from pdserve.cli import build_parser
 from pdserve.launcher import node_command, one_thread, plan_cores
-from pdserve.models.locate import cache_root
+from pdserve.models.native import kernels_root
 from pdserve.plan.profile import Profile
 from pdserve.plan.shape import shape_for
 from pdserve.platform import AVX2_EMULATION, KERNELS_ENV
@@ -217,7 +217,7 @@ def test_up_auto_without_a_profile_measures_one_then_starts_from_the_cached_one(
     machine, model and node settings and caches it; the second finds it. Both say which, both serve."""
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}
     # A fresh cache for the profiles, but this machine's compiled kernels: building them again took 80 s.
-    kernels = cache_root() / "kernels"
+    kernels = kernels_root()
     kernels.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)

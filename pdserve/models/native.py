@@ -34,9 +34,14 @@ AMX_ENV = "PDSERVE_AMX"  # "0": pdserve's kernels leave AMX's tiles alone (to co
 STALE_BUILD_LOCK_S = 600.0  # a build takes about a minute here; a lock this old belongs to a killed one
 
 
-def build_dir() -> Path:
+def kernels_root() -> Path:
+    """Where every build of the kernels is cached (one directory per build_dir digest)."""
     from pdserve.models.locate import cache_root
 
+    return cache_root() / "kernels"
+
+
+def build_dir() -> Path:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
@@ -46,7 +51,7 @@ def build_dir() -> Path:
     for part in (torch.__version__, sys.version, sys.prefix, str(CSRC), " ".join(CFLAGS), cpu.model,
                  " ".join(sorted(cpu.flags))):
         digest.update(part.encode())
-    return cache_root() / "kernels" / digest.hexdigest()[:16]
+    return kernels_root() / digest.hexdigest()[:16]
 
 
 def _put_ninja_on_path() -> None:
