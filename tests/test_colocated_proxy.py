@@ -54,6 +54,10 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
         assert sum(c["decode_steps"] for c in load["decode"].values()) == 7
         assert sum(c["decode_step_seqs"] for c in load["decode"].values()) == 7
         assert load["cpu_s"]["proxy"] > 0 and load["cpu_s"]["node"] > 0 and load["wall_s"] > 0
+        # The serving node's steps: its engine thread's CPU time in them is within their wall time
+        busy = max(load["busy"].values(), key=lambda c: c["engine_busy_seconds"])
+        assert 0 < busy["engine_busy_cpu_seconds"] <= busy["engine_busy_seconds"] + 1e-3
+        assert all(-0.01 < share < 1 for share in host_load.off_cpu_shares(load).values())
         assert views["engine"]["requests"] == views["server"]["requests"] == views["proxy"]["requests"] == 1
         assert views["client"] == {"requests": 2, "within_ms": {"40": 0.5, "60": 0.5, "80": 1.0, "100": 1.0, "150": 1.0,
                                                                 "200": 1.0, "300": 1.0, "500": 1.0, "750": 1.0, "1000": 1.0}}

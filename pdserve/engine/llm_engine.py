@@ -95,6 +95,8 @@ class LLMEngine:
         self.kv_events = KVEventLog(config.block_size)
         self.decode_steps = DecodeSteps()
         self.busy_seconds = 0.0  # in steps that computed something: a node's utilisation (the dashboard's)
+        # This thread's CPU time in those steps: below busy_seconds by the time other work held its core.
+        self.busy_cpu_seconds = 0.0
         self._computed = False  # this step's batch was not empty
         self._decode_batch: tuple[int, int] | None = None  # the step now running: (seqs, KV tokens) if it only decodes
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events,
@@ -329,16 +331,18 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_held=sum(self.block_manager.num_held(req) for req in s.held.values()),
             kv=self.kv_stats.snapshot(), decode=self.decode_steps, busy_seconds=self.busy_seconds,
+            busy_cpu_seconds=self.busy_cpu_seconds,
         )
 
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         outputs = self._step()
         elapsed = time.perf_counter() - started
         if self._computed:
             self.busy_seconds += elapsed
+            self.busy_cpu_seconds += time.thread_time() - cpu_started
         if self._decode_batch is not None:  # a step of decodes only: timed for the proxy's placement
             seqs, kv_tokens = self._decode_batch
             d = self.decode_steps

@@ -116,3 +116,6 @@ class EngineStats:
     kv: KVStatsSnapshot = field(default_factory=KVStatsSnapshot)  # transfer counters
     decode: DecodeSteps = field(default_factory=DecodeSteps)
     busy_seconds: float = 0.0  # time in steps that computed something, since start
+    # The engine thread's CPU time in those steps (with one torch thread, all their compute): the
+    # rest of busy_seconds is time other threads or processes held its core.
+    busy_cpu_seconds: float = 0.0

@@ -115,6 +115,9 @@ class _EngineCounters(Collector):
         stats = self.stats()
         yield CounterMetricFamily("pdserve:engine_busy_seconds", "Time in engine steps that computed something "
                                   "(its rate is the node's utilisation)", value=stats.busy_seconds)
+        yield CounterMetricFamily("pdserve:engine_busy_cpu_seconds", "The engine thread's CPU time in those steps "
+                                  "(below busy seconds by the time other work held its core)",
+                                  value=stats.busy_cpu_seconds)
         # Steps that only decoded: the proxy's auto mode prices decode batches by them (proxy/speed.py).
         d = stats.decode
         yield CounterMetricFamily("pdserve:decode_steps", "Engine steps that only decoded", value=d.steps)
