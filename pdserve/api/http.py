@@ -46,6 +46,8 @@ KEEP_ALIVE_S = 75
 
 
 def serve_app(app, host: str, port: int, log_level: str = "info", graceful_timeout: float = 5.0) -> None:
+    """Serve `app` until SIGTERM / SIGINT, on uvloop and httptools where installed (pdserve's
+    dependencies): the proxy relays every streamed token, and its CPU lands on the nodes' cores."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
                             timeout_keep_alive=KEEP_ALIVE_S)
     _GracefulServer(config).run()
