@@ -80,7 +80,8 @@ def against_profile(load: dict, profile: Profile, output_tokens: int) -> dict:
     per_token = {role: load["cpu_s"][role] / output_tokens if output_tokens else float("nan")
                  for role in ("proxy", "client")}
     return {"decode_step_over_profile": ratios, "off_cpu_share": list(off_cpu_shares(load).values()),
-            "cpu_s_per_token": per_token, "node_cpu_share": load["cpu_s"]["node"] / load["wall_s"] / max(len(load["decode"]), 1)}
+            "cpu_s_per_token": per_token,
+            "node_cpu_share": load["cpu_s"]["node"] / load["wall_s"] / max(len(load["decode"]), 1)}
 
 
 def decode_steps(counters_by_node: dict[str, dict]) -> dict[str, float]:
