@@ -20,14 +20,13 @@ DECODE_COUNTERS = tuple(DecodeSteps().counters())  # a node's decode-only step c
 BUSY_COUNTERS = ("engine_busy_seconds", "engine_busy_cpu_seconds")  # its computing steps' wall and CPU time
 
 
-def read_counters(metrics_text: str, names: tuple[str, ...]) -> dict[str, float]:
+def read_counters(page: MetricsPage, names: tuple[str, ...]) -> dict[str, float]:
     """A node's counters of these names, read as the proxy's health poller reads them."""
-    page = MetricsPage.parse(metrics_text)
     return {name: page.value(f"pdserve:{name}_total") for name in names}
 
 
 def decode_counters(metrics_text: str) -> dict[str, float]:
-    return read_counters(metrics_text, DECODE_COUNTERS)
+    return read_counters(MetricsPage.parse(metrics_text), DECODE_COUNTERS)
 
 
 def _role(pid: int) -> str:
@@ -44,8 +43,9 @@ def read(up_pid: int, pages: Pages) -> dict:
             cpu[_role(pid)] += cpu_seconds(pid)
         except (FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
             pass
-    decode = {url: decode_counters(text) for url, text in pages.nodes.items()}
-    busy = {url: read_counters(text, BUSY_COUNTERS) for url, text in pages.nodes.items()}
+    parsed = {url: MetricsPage.parse(text) for url, text in pages.nodes.items()}  # each page once
+    decode = {url: read_counters(page, DECODE_COUNTERS) for url, page in parsed.items()}
+    busy = {url: read_counters(page, BUSY_COUNTERS) for url, page in parsed.items()}
     return {"wall_s": time.monotonic(), "cpu_s": cpu, "decode": decode, "busy": busy}
 
 
