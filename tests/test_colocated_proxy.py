@@ -43,9 +43,9 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
         # one read of the pages before and after.
         pages = gap_views.Pages.fetch(proxy.url)
         before, load_before = gap_views.read(pages), host_load.read(os.getpid(), pages)
-        stream = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
+        stream = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}))
-        assert sum(bool(ch.choices and ch.choices[0].text) for ch in stream) == 8
+        assert sum(bool(ch.choices and ch.choices[0].text) for ch in stream) == 48
         deadline = time.monotonic() + 10  # the proxy's relay ends as the stream closes, maybe after the last read
         while True:
             pages = gap_views.Pages.fetch(proxy.url)
@@ -55,9 +55,10 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
             time.sleep(0.1)
         load = host_load.delta(load_before, host_load.read(os.getpid(), pages))
         assert sorted(load["decode"]) == sorted(n.url for n in nodes)
-        # 8 tokens: the first from the prefill step, then 7 decode-only steps of one sequence
-        assert sum(c["decode_steps"] for c in load["decode"].values()) == 7
-        assert sum(c["decode_step_seqs"] for c in load["decode"].values()) == 7
+        # 48 tokens (enough proxy work to pass a 10-ms CPU tick on uvloop): the first from the prefill
+        # step, then 47 decode-only steps of one sequence
+        assert sum(c["decode_steps"] for c in load["decode"].values()) == 47
+        assert sum(c["decode_step_seqs"] for c in load["decode"].values()) == 47
         assert load["cpu_s"]["proxy"] > 0 and load["cpu_s"]["node"] > 0 and load["wall_s"] > 0
         # The serving node's steps: its engine thread's CPU time in them is within their wall time
         busy = max(load["busy"].values(), key=lambda c: c["engine_busy_seconds"])
@@ -66,7 +67,7 @@ def test_colocated_proxy_balances_and_keeps_outputs(tmp_path):
         assert views["engine"]["requests"] == views["server"]["requests"] == views["proxy"]["requests"] == 1
         assert views["client"] == {"requests": 2, "within_ms": {"40": 0.5, "60": 0.5, "80": 1.0, "100": 1.0, "150": 1.0,
                                                                 "200": 1.0, "300": 1.0, "500": 1.0, "750": 1.0, "1000": 1.0}}
-        for view in ("engine", "server", "proxy"):  # an idle node's 8 tokens: every gap well under a second
+        for view in ("engine", "server", "proxy"):  # an idle node's 48 tokens: every gap well under a second
             within = list(views[view]["within_ms"].values())
             assert within == sorted(within) and within[-1] == 1.0, (view, within)
     finally:
