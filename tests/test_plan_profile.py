@@ -16,7 +16,7 @@ import pytest
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import available
-from pdserve.plan.corun import relay_factor, relay_samples
+from pdserve.plan.corun import relay_factors, relay_samples
 from pdserve.plan.fit import fit_linear
 from pdserve.plan.measure import PROBE_TOKENS
 from pdserve.plan.profile import NO_CORUN, Profile, corun_factors, decode_features
@@ -165,14 +165,17 @@ def test_relay_samples_time_a_pinned_prefill_while_the_hosts_proxy_relays_stream
     if len(cores) < 2:
         pytest.skip("one core: no other core to stream from")
     samples = relay_samples(["--model", random_llama, "--dtype", "float32", "--threads", "1"], (cores[0], cores[1]),
-                            prompts=5, streams=1)
+                            prompts=5, streams=1, decodes=3)
     assert all(len(samples[k]) == 5 for k in ("direct_hop_ms", "proxy_hop_ms", "idle_prefill_ms",
                                               "relayed_prefill_ms"))
-    assert all(x > 0 for k in ("direct_hop_ms", "idle_prefill_ms", "relayed_prefill_ms") for x in samples[k])
+    assert len(samples["idle_decode_step_ms"]) == len(samples["relayed_decode_step_ms"]) == 3
+    timed = ("direct_hop_ms", "idle_prefill_ms", "relayed_prefill_ms", "idle_decode_step_ms", "relayed_decode_step_ms")
+    assert all(x > 0 for k in timed for x in samples[k])
     # The proxy's hop adds its own work (two more HTTP legs) to the node's.
     assert statistics.median(samples["proxy_hop_ms"]) > statistics.median(samples["direct_hop_ms"]) > 0
     assert samples["relayed_tokens_per_s"] > 0  # the streams ran while A prefilled
-    assert 0.5 < relay_factor(samples) < 5.0
+    factors = relay_factors(samples)
+    assert factors.keys() == {"relay", "relay_decode"} and all(0.5 < f < 5.0 for f in factors.values())
 
 
 def test_profile_cli_names_a_bad_argument():

@@ -196,6 +196,27 @@ def test_on_one_host_a_prefill_runs_the_relay_factor_slower_while_a_stream_is_un
         assert b.result().ttft_ms == pytest.approx(factor * 110.0)
 
 
+def test_on_one_host_a_decode_step_runs_the_decode_relay_factor_slower_while_another_node_computes():
+    """Decode relay factor x2, no other slow-down. A (100 -> 3) computes alone from 0; B (100 -> 6)
+    arrives on the other node at 0.12 s, in A's first decode step: A's run is cut at that step and
+    its next step, beside B's prefill, runs x2 (the relay of A's stream finds no idle core). B's
+    prefill is not slowed (prefill's relay x1), nor B's steps once A is done. Not on one host: never."""
+    profile = known_profile()
+    profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 2.0}
+    step = [0.025 + kv * 1e-5 for kv in range(101, 106)]  # one sequence's decode step at 101.. KV tokens
+    for one_host, factor in ((True, 2.0), (False, 1.0)):
+        sim = Simulation(profile, one_host=one_host)
+        batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
+        first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
+        a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 6), 0.12)
+        sim.at(0.0, lambda: first.submit(Job(0, 100, 3, a, lambda t: None)))
+        sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
+        sim.run()
+        assert a.result().itls_ms == pytest.approx([step[0] * 1e3, factor * step[1] * 1e3])
+        assert b.result().ttft_ms == pytest.approx(110.0)
+        assert b.result().itls_ms == pytest.approx([x * 1e3 for x in step])
+
+
 def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():
     """A pool of 4 blocks of 16 tokens; A and B (16-token prompts, 20 tokens out; B admitted with
     A's first decode, one token behind) fill it when A has 32 tokens. A's next block preempts B, the

@@ -13,7 +13,7 @@ from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
 from pdserve.benchmarks.simcheck import errors, idle_level, within_targets
-from pdserve.plan.corun import prefills_beside
+from pdserve.plan.corun import decode_steps, timed_beside
 from pdserve.procinfo import cpu_seconds, descendants
 
 REAL = {"median_ttft_ms": 400.0, "p99_ttft_ms": 5000.0, "median_tpot_ms": 30.0, "p99_tpot_ms": 80.0,
@@ -96,10 +96,13 @@ def test_a_runs_load_read_against_the_profile():
 
 
 def test_pinned_prefill_times_a_nodes_engine_prefill_with_and_without_a_streaming_load(fp32_node):
-    """plan/corun.py's prefills_beside (the profile's relay factor; benchmarks/pinned_prefill.py): the
+    """plan/corun.py's timed_beside (the profile's relay factors; benchmarks/pinned_prefill.py): the
     node's own prefill times (ms, from its headers), and the load a client process streamed meanwhile."""
-    quiet = prefills_beside(fp32_node.url, 3, 7)
-    assert len(quiet["prefill_ms"]) == 3 and all(ms > 0 for ms in quiet["prefill_ms"])
+    quiet = timed_beside(fp32_node.url, 3, 7)
+    assert len(quiet["ms"]) == 3 and all(ms > 0 for ms in quiet["ms"])
     assert quiet["p10_ms"] <= quiet["p50_ms"] <= quiet["p90_ms"] and quiet["load_tokens_per_s"] == 0
-    loaded = prefills_beside(fp32_node.url, 3, 8, fp32_node.url, set(os.sched_getaffinity(0)), 1)
-    assert loaded["load_tokens_per_s"] > 0 and all(ms > 0 for ms in loaded["prefill_ms"])
+    loaded = timed_beside(fp32_node.url, 3, 8, fp32_node.url, set(os.sched_getaffinity(0)), 1)
+    assert loaded["load_tokens_per_s"] > 0 and all(ms > 0 for ms in loaded["ms"])
+    # Its decode steps: each answer's wait after the node's TTFT, a step a token after the first.
+    steps = timed_beside(fp32_node.url, 2, 9, measure=decode_steps)
+    assert len(steps["ms"]) == 2 and all(0 < ms < 1000 for ms in steps["ms"])

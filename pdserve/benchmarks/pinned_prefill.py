@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from pdserve.benchmarks.report import publish
-from pdserve.plan.corun import RELAY_PROMPT, prefills, prefills_beside
+from pdserve.plan.corun import RELAY_PROMPT, prefills, timed_beside
 from pdserve.platform import CpuInfo
 from pdserve.procs import Child, ProcessGroup
 
@@ -55,12 +55,12 @@ def main() -> None:
         group.wait_ready([proxy], 60)
         prefills(p.url, 5, 1)  # warm-up
         conditions = {
-            "second core idle": prefills_beside(p.url, args.prompts, 100),
+            "second core idle": timed_beside(p.url, args.prompts, 100),
             "a node on the second core streams to a client pinned beside it":
-                prefills_beside(p.url, args.prompts, 200, d.url, {second}, args.streams),
+                timed_beside(p.url, args.prompts, 200, d.url, {second}, args.streams),
             "... through an unpinned proxy to an unpinned client":
-                prefills_beside(p.url, args.prompts, 300, proxy.url, both, args.streams),
-            "second core idle again": prefills_beside(p.url, args.prompts, 400),
+                timed_beside(p.url, args.prompts, 300, proxy.url, both, args.streams),
+            "second core idle again": timed_beside(p.url, args.prompts, 400),
         }
     cpu = CpuInfo.detect()
     results = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.model, "isa": cpu.isa, "prompt_tokens": RELAY_PROMPT,

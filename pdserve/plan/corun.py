@@ -10,8 +10,10 @@ simcheck's low TPOT there (docs/benchmarks.md).
 
 The engines are not all that shares the host: the proxy (and a client) run wherever the OS puts
 them and are woken at every streamed token. relay_samples times a pinned node's prefill while
-another node's streams are relayed that way; the simulator applies the ratio to prefills while a
-stream is under way, and the proxy's own hop to every request.
+another node's streams are relayed that way, and its decode steps too; the simulator applies the
+prefill's ratio to prefills while a stream is under way, the decode step's to decode steps while
+another node computes (no core is left idle for the relay), and the proxy's own hop to every
+request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -87,7 +89,7 @@ def pinned(core: int) -> Iterator[None]:
 
 # -- what the host's relaying of streams costs a pinned node's prefill ---------------------------
 
-RELAY_PROMPT, RELAY_STREAM_TOKENS = 128, 200
+RELAY_PROMPT, RELAY_STREAM_TOKENS, RELAY_DECODE_TOKENS = 128, 200, 64
 
 
 def stream_load(url: str, cores: set[int], streams: int, stop, tokens) -> None:
@@ -132,9 +134,25 @@ def prefills(url: str, n: int, seed: int) -> list[float]:
             for _, h in one_token_answers(url, n, seed, pause_s=0.3)]  # and the load's steps between them
 
 
-def prefills_beside(url: str, n: int, seed: int, load_url: str | None = None, load_cores: set[int] | None = None,
-                    streams: int = 3) -> dict:
-    """`prefills` of the node at `url` while a client on `load_cores` streams from `load_url` (None: no load)."""
+def decode_steps(url: str, n: int, seed: int) -> list[float]:
+    """The node's mean decode step (ms) in each of `n` fresh prompts' RELAY_DECODE_TOKENS-token
+    answers, one at a time, not streamed: the answer's wait after the node's own TTFT, a step a token
+    (the reply's one hop, ~3 ms, spread over them)."""
+    body = {"max_tokens": RELAY_DECODE_TOKENS, "temperature": 0, "ignore_eos": True}
+    out = []
+    with httpx.Client(timeout=120) as client:
+        for ids in random_prompts(n, RELAY_PROMPT, seed):
+            start = time.perf_counter()
+            r = client.post(url + "/v1/completions", json={"prompt": ids, **body}).raise_for_status()
+            waited_ms = (time.perf_counter() - start) * 1e3
+            out.append((waited_ms - float(r.headers["x-pdserve-ttft-ms"])) / (RELAY_DECODE_TOKENS - 1))
+    return out
+
+
+def timed_beside(url: str, n: int, seed: int, load_url: str | None = None, load_cores: set[int] | None = None,
+                 streams: int = 3, measure: Callable[[str, int, int], list[float]] = prefills) -> dict:
+    """`measure` (`prefills`, or `decode_steps`) of the node at `url` while a client on
+    `load_cores` streams from `load_url` (None: no load)."""
     context = multiprocessing.get_context("spawn")
     stop, tokens = context.Event(), context.Value("l", 0)
     client = None
@@ -144,7 +162,7 @@ def prefills_beside(url: str, n: int, seed: int, load_url: str | None = None, lo
         time.sleep(3)  # the streams under way
     try:
         began, before = time.monotonic(), tokens.value
-        ms = prefills(url, n, seed)
+        ms = measure(url, n, seed)
         rate = (tokens.value - before) / (time.monotonic() - began)
     finally:
         stop.set()
@@ -153,7 +171,7 @@ def prefills_beside(url: str, n: int, seed: int, load_url: str | None = None, lo
             if client.is_alive():
                 client.kill()
     deciles = statistics.quantiles(ms, n=10)
-    return {"prefill_ms": ms, "p10_ms": deciles[0], "p50_ms": statistics.median(ms), "p90_ms": deciles[-1],
+    return {"ms": ms, "p10_ms": deciles[0], "p50_ms": statistics.median(ms), "p90_ms": deciles[-1],
             "load_tokens_per_s": rate}
 
 
@@ -168,12 +186,14 @@ def answer_hops_ms(url: str, n: int, seed: int) -> list[float]:
     return [seconds * 1e3 - engine_ms(h) for seconds, h in one_token_answers(url, n, seed)]
 
 
-def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int = 20, streams: int = 3) -> dict:
+def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int = 20, streams: int = 3,
+                  decodes: int = 8) -> dict:
     """As `pdserve up` runs a host: node A pinned to the first core, node B to the second, a proxy
     in front of B on both (the OS places it). The proxy's own hop (one-token answers through it minus
-    those from B directly, both idle), then A's prefills with the second core idle and while B
-    streams `streams` answers through the proxy to a client the OS places too. The proxy's
-    processes, woken at every relayed token, land on A's core: its prefill runs slower."""
+    those from B directly, both idle), then A's prefills and decode steps with the second core idle
+    and while B streams `streams` answers through the proxy to a client the OS places too. The
+    proxy's processes, woken at every relayed token, find no idle core and land on A's: it steps
+    slower."""
     both = set(cores)
     with tempfile.TemporaryDirectory(prefix="pdserve-relay-") as logs, ProcessGroup() as group:
         a = Child.on_free_port("a", ["serve", "--role", "both", *engine_args], (cores[0],), log_path=f"{logs}/a.log")
@@ -188,12 +208,20 @@ def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int =
         prefills(a.url, 3, 1)  # warm-up
         answer_hops_ms(proxy.url, 3, 2)
         direct, via_proxy = answer_hops_ms(b.url, prompts, 3), answer_hops_ms(proxy.url, prompts, 4)
-        idle = prefills_beside(a.url, prompts, 100)
-        relayed = prefills_beside(a.url, prompts, 200, proxy.url, both, streams)
-    return {"direct_hop_ms": direct, "proxy_hop_ms": via_proxy, "idle_prefill_ms": idle["prefill_ms"],
-            "relayed_prefill_ms": relayed["prefill_ms"], "relayed_tokens_per_s": relayed["load_tokens_per_s"]}
+        idle = timed_beside(a.url, prompts, 100)
+        relayed = timed_beside(a.url, prompts, 200, proxy.url, both, streams)
+        idle_decode = timed_beside(a.url, decodes, 300, measure=decode_steps)
+        relayed_decode = timed_beside(a.url, decodes, 400, proxy.url, both, streams, measure=decode_steps)
+    return {"direct_hop_ms": direct, "proxy_hop_ms": via_proxy, "idle_prefill_ms": idle["ms"],
+            "relayed_prefill_ms": relayed["ms"], "relayed_tokens_per_s": relayed["load_tokens_per_s"],
+            "idle_decode_step_ms": idle_decode["ms"], "relayed_decode_step_ms": relayed_decode["ms"]}
 
 
-def relay_factor(samples: dict) -> float:
-    """A's median prefill while streams are relayed over its median with the other core idle."""
-    return statistics.median(samples["relayed_prefill_ms"]) / statistics.median(samples["idle_prefill_ms"])
+def relay_factors(samples: dict) -> dict[str, float]:
+    """A's median prefill ("relay") and decode step ("relay_decode", where measured) while streams
+    are relayed, over its median with the other core idle."""
+    def ratio(kind: str) -> float:
+        return statistics.median(samples[f"relayed_{kind}_ms"]) / statistics.median(samples[f"idle_{kind}_ms"])
+
+    return {"relay": ratio("prefill"), **({"relay_decode": ratio("decode_step")}
+                                          if "idle_decode_step_ms" in samples else {})}

@@ -35,7 +35,7 @@ import torch
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS, available
-from pdserve.plan.corun import pinned, relay_factor, relay_samples, twin_busy
+from pdserve.plan.corun import pinned, relay_factors, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start
 from pdserve.platform import CpuInfo
@@ -49,7 +49,7 @@ PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 TRANSFER_FEATURES = ["one", "bytes"]
 NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "proxy_s": 0.0,
               "gap_excess_s": []}  # profiles from before them
-NO_CORUN = {"prefill": 1.0, "decode": 1.0, "relay": 1.0}  # one core, or a profile from before it was measured
+NO_CORUN = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 1.0}  # one core, or a profile from before it was measured
 
 
 @dataclass
@@ -99,7 +99,8 @@ class Profile:
     serving: dict = field(default_factory=lambda: dict(NO_SERVING))
     # How much slower (speed_index) prefill and decode run while a twin engine computes on another
     # core of this host (plan/corun.py): nodes that share a host, as `pdserve up` starts them;
-    # relay: how much slower a served node prefills while the host's proxy relays another node's streams.
+    # relay, relay_decode: how much slower a served node prefills and decodes while the host's proxy
+    # relays another node's streams.
     corun: dict = field(default_factory=lambda: dict(NO_CORUN))
 
     @property
@@ -344,7 +345,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         samples["relay"] = relay
     profile = fitted(meta, samples, statistics.median(s["startup_s"] for s in starts))
     profile.speed = speed
-    profile.corun = {**NO_CORUN, **(corun or {}), **({"relay": relay_factor(relay)} if relay else {})}
+    profile.corun = {**NO_CORUN, **(corun or {}), **(relay_factors(relay) if relay else {})}
     return profile
 
 
@@ -437,8 +438,9 @@ def describe(profile: Profile) -> str:
     if profile.corun_measured:
         lines.append(f"  beside another busy core of this host: prefill x{profile.corun['prefill']:.2f}, "
                      f"decode x{profile.corun['decode']:.2f}"
-                     + (f"; a served node prefills x{profile.corun['relay']:.2f} while the host's proxy relays "
-                        f"streams" if profile.samples.get("relay") else ""))
+                     + (f"; a served node prefills x{profile.corun['relay']:.2f} and decodes "
+                        f"x{profile.corun['relay_decode']:.2f} while the host's proxy relays streams"
+                        if profile.samples.get("relay") else ""))
     else:
         lines.append("  beside another busy core of this host: not measured (--quick; `simulate --one-host` "
                      "takes x1.00)")

@@ -304,8 +304,9 @@ class SimNode:
 
     def _corun(self) -> tuple[float, float]:
         """(prefill, decode) slow-down of a step starting now on one host (Simulation(one_host=True)):
-        the co-run factors while another node computes, prefill's relay factor while a stream is
-        under way (a running request past its first token on any node); else none."""
+        prefill's relay factor while a stream is under way (a running request past its first token
+        on any node); while another node computes, the co-run factors, and decode's relay factor (a
+        decoding node streams, and the relay finds no idle core)."""
         corun = self.sim.corun
         if corun is None:
             return 1.0, 1.0
@@ -314,7 +315,7 @@ class SimNode:
         relay = self.sim.relay if streaming else 1.0
         if not any(n.active for n in self.sim.nodes if n is not self):
             return relay, 1.0
-        return corun[0] * relay, corun[1]
+        return corun[0] * relay, corun[1] * self.sim.relay_decode
 
     def _tell_host(self) -> None:
         """This node started or stopped computing: the host's other nodes end their decode runs
