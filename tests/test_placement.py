@@ -37,7 +37,11 @@ def test_the_proxys_costs_are_the_planners():
         assert costs.prefill_s(tokens, cached) == pytest.approx(profile.prefill_time(tokens, budget, cached))
     assert costs.step_s(8, 4000) == pytest.approx(profile.decode_step_time(8, 4000))
     nbytes = 1000 * profile.meta["node"]["kv_bytes_per_token"]
-    assert costs.transfer_s(1000, "tcp") == pytest.approx(profile.transfer_time("tcp", nbytes))
+    # A pull's wait: the bytes' transfer and the served handoff around it.
+    pull_s = profile.transfer_time("tcp", nbytes) + profile.serving["pull_handoff_s"]
+    assert costs.transfer_s(1000, "tcp") == pytest.approx(pull_s)
+    with_handoff = CostModel.of({**json.loads(PROFILE.read_text()), "serving": {"pull_handoff_s": 0.007}})
+    assert with_handoff.transfer_s(1000, "tcp") == pytest.approx(profile.transfer_time("tcp", nbytes) + 0.007)
 
 
 def test_a_bad_profile_is_named(tmp_path):

@@ -18,8 +18,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import available
 from pdserve.plan.corun import relay_factors, relay_samples
 from pdserve.plan.fit import fit_linear
-from pdserve.plan.measure import PROBE_TOKENS
-from pdserve.plan.profile import NO_CORUN, Profile, corun_factors, decode_features
+from pdserve.plan.measure import PROBE_TOKENS, pull_handoffs
+from pdserve.plan.profile import NO_CORUN, Profile, corun_factors, decode_features, serving_overheads
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
 from pdserve.platform import KERNELS_ENV
 from pdserve.proxy.costs import CostModel
@@ -176,6 +176,26 @@ def test_relay_samples_time_a_pinned_prefill_while_the_hosts_proxy_relays_stream
     assert samples["relayed_tokens_per_s"] > 0  # the streams ran while A prefilled
     factors = relay_factors(samples)
     assert factors.keys() == {"relay", "relay_decode"} and all(0.5 < f < 5.0 for f in factors.values())
+
+
+def test_pull_handoffs_time_a_served_pull_pairs_kv_wait_and_the_profile_keeps_what_exceeds_the_transfer(
+        random_llama, quick_profile):
+    """A real pull pair on a small model, P pinned to one core and D to the other: D's wait for each
+    prompt's KV, its bytes and transport; the profile's pull_handoff_s is that wait beyond the
+    transport's fitted transfer of those bytes (median), never below zero."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: a pull pair needs a core each")
+    handoffs = pull_handoffs(["--model", random_llama, "--dtype", "float32", "--threads", "1"], (cores[0], cores[1]),
+                             prompts=3)
+    assert len(handoffs) == 3
+    assert len({h["kv_bytes"] for h in handoffs}) == 1 and handoffs[0]["kv_bytes"] > 0  # same-length prompts
+    assert all(h["kv_load_s"] > 0 and h["transport"] in available() for h in handoffs)
+    profile = Profile.load(quick_profile[0])
+    waits = [h["kv_load_s"] - profile.transfer_time(h["transport"], h["kv_bytes"]) for h in handoffs]
+    served = serving_overheads(profile, profile.samples["serving_probes"], handoffs=handoffs)
+    assert served["pull_handoff_s"] == pytest.approx(max(statistics.median(waits), 0.0))
+    assert serving_overheads(profile, profile.samples["serving_probes"])["pull_handoff_s"] == 0.0
 
 
 def test_profile_cli_names_a_bad_argument():

@@ -79,6 +79,10 @@ def test_serving_overheads_add_a_hop_per_request_and_a_cost_per_step():
     pull = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=profile)  # P's hop, then D's, then the pull
     transfer = 0.002 + 100 * KV_BYTES * 1e-9  # then P's first token leaves D: no step of D's before it
     assert pull["ttfts"][0] == pytest.approx(2 * 0.050 + (0.110 + 0.002) + transfer + 0.030 + 0.004)
+    # A served pull's handoff (side channel, D's loader) 7 ms on top of the bytes' transfer; push has none.
+    handed = run("pull:1P1D", [BenchRequest([0], 100, 2)], profile=replace(
+        profile, serving={**profile.serving, "pull_handoff_s": 0.007}))
+    assert handed["ttfts"][0] == pytest.approx(pull["ttfts"][0] + 0.007)
     # Push: D's hop; D reserves its blocks and announces them (a hop to the proxy); P's hop; P's
     # prefill, of which only the last layer's transfer follows; then P's first token leaves D.
     push = run("push:1P1D", [BenchRequest([0], 100, 2)], profile=profile)

@@ -4,7 +4,8 @@
 two processes with the real connector code: P (`python -m pdserve.plan.measure`, holding the
 blocks) and D (the caller), over each transport, contiguous and scattered; memcpy is the same
 segments copied within one process. `one_start` times `pdserve serve` from start to healthy and,
-asked to, what serving over HTTP adds to the engine's costs (streamed probes).
+asked to, what serving over HTTP adds to the engine's costs (streamed probes); `pull_handoffs`, what
+a served pull pair's handoff adds to the bytes' transfer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -182,6 +184,34 @@ def probe(client: httpx.Client, url: str, prompt: list[int]) -> dict:
             "engine_ttft_s": float(answer.headers["x-pdserve-ttft-ms"]) / 1e3, "ttft_s": times[0] - start,
             "tpot_s": (times[-1] - times[0]) / (PROBE_TOKENS - 1),
             "gaps_s": [round(b - a, 6) for a, b in zip(times, times[1:])]}
+
+
+def pull_handoffs(engine_args: list[str], cores: tuple[int, int], prompts: int = 20) -> list[dict]:
+    """A pull pair as `pdserve up` runs one on this host: P (`--role prefill`) pinned to the first
+    core, D (`--role decode`) to the second, each asked directly as the proxy asks them. For each of
+    `prompts` fresh PROBE_PROMPT-token prompts, one at a time (one more first, to warm up): D's wait
+    for the KV (x-pdserve-kv-load-ms: from D's reservation to its loop reading the finished pull,
+    the side channel's round trips and D's loader thread included), the bytes it moved and the
+    transport that moved them."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-handoff-") as logs, ProcessGroup() as group:
+        p = Child.on_free_port("p", ["serve", "--role", "prefill", *engine_args], (cores[0],), log_path=f"{logs}/p.log")
+        d = Child.on_free_port("d", ["serve", "--role", "decode", *engine_args], (cores[1],), log_path=f"{logs}/d.log")
+        for child in (p, d):
+            group.start(child)
+        group.wait_ready([p, d], 600)
+        out = []
+        with httpx.Client(timeout=120) as client:
+            for ids in random_prompts(prompts + 1, PROBE_PROMPT, 55):
+                body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
+                held = client.post(f"{p.url}/v1/completions",
+                                   json={**body, "kv_transfer_params": {"do_remote_decode": True}}).raise_for_status()
+                kv = held.json()["kv_transfer_params"]
+                answer = client.post(f"{d.url}/v1/completions",
+                                     json={**body, "max_tokens": 2, "kv_transfer_params": kv}).raise_for_status()
+                out.append({"kv_load_s": float(answer.headers["x-pdserve-kv-load-ms"]) / 1e3,
+                            "kv_bytes": int(answer.headers["x-pdserve-kv-bytes"]),
+                            "transport": answer.headers["x-pdserve-kv-transport"]})
+        return out[1:]
 
 
 if __name__ == "__main__":  # the P side of bench_backends

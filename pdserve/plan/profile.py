@@ -37,7 +37,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS, available
 from pdserve.plan.corun import pinned, relay_factors, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
-from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start
+from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start, pull_handoffs
 from pdserve.platform import CpuInfo
 from pdserve.proxy.costs import DECODE_BASE, decode_hinges
 from pdserve.sampling_params import SamplingParams
@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 
 PREFILL_FEATURES = ["one", "tokens", "attention_pairs"]
 TRANSFER_FEATURES = ["one", "bytes"]
-NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "proxy_s": 0.0,
+NO_SERVING = {"request_s": 0.0, "stream_s": 0.0, "step_s": 0.0, "proxy_s": 0.0, "pull_handoff_s": 0.0,
               "gap_excess_s": []}  # profiles from before them
-NO_CORUN = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 1.0}  # one core, or a profile from before it was measured
+# one core, or a profile from before it was measured
+NO_CORUN = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 1.0}
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Profile:
     # per request hop (a request in and a one-token answer out, as the proxy asks P), stream_s
     # for streaming the tokens to the client (the first arrives that much later), step_s per step;
     # proxy_s: what a proxy in front adds to a request (full profiles: plan/corun.py's relay_samples);
+    # pull_handoff_s: what a served pull adds to its bytes' transfer (full profiles: measure.pull_handoffs);
     # gap_excess_s: each streamed gap minus its probe's median gap, sorted (a stream's longest gap is
     # the tail of these: the simulator's GapJitter).
     serving: dict = field(default_factory=lambda: dict(NO_SERVING))
@@ -334,6 +336,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
     starts = [one_start(config.dtype, config.model, probes=6 if i == 0 else 0) for i in range(points.startup_runs)]
     cores = two_cores(config)
     relay = relay_samples(node_args(config.dtype, config.model), cores) if points.corun and cores else None
+    handoffs = pull_handoffs(node_args(config.dtype, config.model), cores) if points.corun and cores else None
 
     cpu = CpuInfo.detect()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "cpu": cpu.model, "isa": cpu.isa,
@@ -343,6 +346,8 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
                "startup_s": [s["startup_s"] for s in starts], "serving_probes": starts[0]["probes"]}
     if relay:
         samples["relay"] = relay
+    if handoffs:
+        samples["pull_handoffs"] = handoffs
     profile = fitted(meta, samples, statistics.median(s["startup_s"] for s in starts))
     profile.speed = speed
     profile.corun = {**NO_CORUN, **(corun or {}), **(relay_factors(relay) if relay else {})}
@@ -363,7 +368,8 @@ def fitted(meta: dict, samples: dict, startup_s: float) -> Profile:
                                "decode_step": "a + b * seqs + c * kv_tokens + sum_k d_k * max(0, seqs - k)",
                                "transfer": "latency + bytes / bandwidth"}}
     profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, startup_s, samples)
-    profile.serving = serving_overheads(profile, samples["serving_probes"], samples.get("relay"))
+    profile.serving = serving_overheads(profile, samples["serving_probes"], samples.get("relay"),
+                                        samples.get("pull_handoffs"))
     return profile
 
 
@@ -383,11 +389,13 @@ def decode_features(batches: list[int]) -> list[str]:
     return DECODE_BASE + [f"seqs>{b}" for b in sorted(set(batches))[1:-1]]
 
 
-def serving_overheads(profile: Profile, probes: list[dict], relay: dict | None = None) -> dict:
+def serving_overheads(profile: Profile, probes: list[dict], relay: dict | None = None,
+                      handoffs: list[dict] | None = None) -> dict:
     """Medians of what a client saw beyond the engine's costs: the one-token answer's latency minus
     the node's engine's own TTFT (probes before it was recorded: minus the fitted prefill step);
     streamed TTFT minus that latency; TPOT minus a one-sequence decode step at the probe's mean
-    context; with `relay` (relay_samples), the hop through a proxy minus the hop to the node."""
+    context; with `relay` (relay_samples), the hop through a proxy minus the hop to the node; with
+    `handoffs` (measure.pull_handoffs), a served pull's KV wait minus its bytes' transfer fit."""
     mid_context = PROBE_PROMPT + PROBE_TOKENS // 2
     request = statistics.median(p["reply_s"] - p.get("engine_ttft_s", profile.prefill_chunk_time(p["prompt_tokens"], 0))
                                 for p in probes)
@@ -397,8 +405,10 @@ def serving_overheads(profile: Profile, probes: list[dict], relay: dict | None =
                     for gap in p["gaps_s"])
     proxy = (statistics.median(relay["proxy_hop_ms"]) - statistics.median(relay["direct_hop_ms"])) / 1e3 \
         if relay else 0.0
+    handoff = statistics.median(h["kv_load_s"] - profile.transfer_time(h["transport"], h["kv_bytes"])
+                                for h in handoffs) if handoffs else 0.0
     return {"request_s": max(request, 0.0), "stream_s": max(stream, 0.0), "step_s": max(step, 0.0),
-            "proxy_s": max(proxy, 0.0), "gap_excess_s": excess}
+            "proxy_s": max(proxy, 0.0), "pull_handoff_s": max(handoff, 0.0), "gap_excess_s": excess}
 
 
 def sorted_quantile(xs: Sequence[float], q: float) -> float:

@@ -4,9 +4,9 @@ The proxy reads the profile's fitted models (features and coefficients, as plan/
 them) without the planning package: prefill chunk = a + b * tokens + c * tokens * (context before
 + tokens / 2); decode step = a + b * sequences + c * KV tokens + a hinge d_k * max(0, sequences - k)
 at each batch size k measured between the smallest and the largest (so the step follows the
-measured batches piecewise-linearly); transfer = latency + bytes / bandwidth per transport; plus
-what serving adds per request hop. tests/test_placement.py checks that these predictions are the
-planner's own. The planner's fits evaluate their features with `feature_value` below.
+measured batches piecewise-linearly); transfer = latency + bytes / bandwidth per transport, plus
+what a served pull's handoff adds; plus what serving adds per request hop. tests/test_placement.py
+checks that these predictions are the planner's own. The planner's fits evaluate their features with `feature_value` below.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class CostModel:
     request_hop_s: float
     kv_bytes_per_token: int
     chunk_size: int  # the nodes' token budget: a prompt is prefilled in chunks of this many
+    pull_handoff_s: float = 0.0  # what a served pull adds to its bytes' transfer (side channel, D's loader)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
@@ -68,8 +69,9 @@ class CostModel:
         step, hinges = decode_hinges(data["decode_step"])
         transfer = {name: _coefficients(fit, ["one", "bytes"]) for name, fit in data["transfer"].items()}
         node = data["meta"]["node"]
-        return cls(chunk, step, hinges, transfer, float(data.get("serving", {}).get("request_s", 0.0)),
-                   int(node["kv_bytes_per_token"]), int(node["max_num_batched_tokens"]))
+        serving = data.get("serving", {})
+        return cls(chunk, step, hinges, transfer, float(serving.get("request_s", 0.0)), int(node["kv_bytes_per_token"]),
+                   int(node["max_num_batched_tokens"]), float(serving.get("pull_handoff_s", 0.0)))
 
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
         """Seconds to prefill tokens [cached, tokens) in chunks of the token budget."""
@@ -86,8 +88,9 @@ class CostModel:
         return a + b * seqs + c * kv_tokens + sum(d * max(0.0, seqs - k) for k, d in self.step_hinges)
 
     def transfer_s(self, tokens: int, transport: str = "shm") -> float:
+        """D's wait for a pull of `tokens` tokens' KV: their bytes' transfer and the handoff around it."""
         latency, per_byte = self.transfer.get(transport) or next(iter(self.transfer.values()))
-        return latency + per_byte * tokens * self.kv_bytes_per_token
+        return latency + per_byte * tokens * self.kv_bytes_per_token + self.pull_handoff_s
 
 
 def _coefficients(fit: dict, features: list[str]) -> tuple[float, ...]:

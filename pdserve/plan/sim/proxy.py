@@ -64,6 +64,7 @@ class SimProxy:
         self.kv_bytes_per_token, self.num_layers = node["kv_bytes_per_token"], node["num_layers"]
         fit = dict(zip(sim.profile.transfer[transport].features, sim.profile.transfer[transport].coefficients))
         self._transfer_latency, self._transfer_per_byte = fit["one"], fit["bytes"]  # the hot path's copy of the fit
+        self._pull_handoff = sim.profile.serving.get("pull_handoff_s", 0.0)  # side channel, D's loader
 
         # auto:N: kv_both nodes (each prefills, decodes, or both per request), as `pdserve up --mode auto --nodes N`
         d_role = "decode" if setup.prefill else "kv_both" if setup.mode == "auto" else "both"
@@ -155,7 +156,7 @@ class SimProxy:
             decoder_job = self._answer_job(rid, req, tracker, prompt, on_done, prefill_job.answer_params)
 
             def reserved(remote_tokens: int, _: KVTransferParams | None) -> None:
-                pulled = self.sim.now + self.transfer_time(remote_tokens * self.kv_bytes_per_token)
+                pulled = self.sim.now + self.transfer_time(remote_tokens * self.kv_bytes_per_token) + self._pull_handoff
                 d_node = self.members[target.url]
                 self.sim.at(pulled, lambda: (p_node.release(prefill_job), d_node.kv_arrived(decoder_job)))
 
