@@ -439,7 +439,9 @@ def describe(profile: Profile) -> str:
                  f"{profile.serving['stream_s'] * 1e3:.1f} ms to a streamed first token and "
                  f"{profile.serving['step_s'] * 1e3:.2f} ms per step"
                  + (f"; a proxy in front adds {profile.serving['proxy_s'] * 1e3:.1f} ms a request"
-                    if profile.samples.get("relay") else ""))
+                    if profile.samples.get("relay") else "")
+                 + (f"; a served pull's handoff {profile.serving['pull_handoff_s'] * 1e3:.1f} ms beyond its bytes' "
+                    f"transfer" if profile.samples.get("pull_handoffs") else ""))
     excess = profile.serving.get("gap_excess_s")
     if excess:
         at = [sorted_quantile(excess, q) * 1e3 for q in (0.5, 0.9, 0.99)]
