@@ -317,12 +317,23 @@ def main() -> None:
 
 
 def corun_note(res: dict) -> str:
-    """The co-run factors the simulation applied (every node on one core of this host)."""
-    corun = res["profile"].get("corun")
+    """The co-run and relay factors the simulation applied (every node on one core of this host), and
+    a pull's served handoff."""
+    profile = res["profile"]
+    corun = profile.get("corun")
     if not corun:
         return ""
-    return (f". Every node on its own core of this host: a step ran x{corun['prefill']:.2f} (prefill) and "
+    note = (f". Every node on its own core of this host: a step ran x{corun['prefill']:.2f} (prefill) and "
             f"x{corun['decode']:.2f} (decode) slower while another node computed (the profile's co-run factors)")
+    if "relay" in corun:
+        note += f"; a prefill x{corun['relay']:.2f} while a stream was under way"
+        if "relay_decode" in corun:
+            note += f", a decode step x{corun['relay_decode']:.2f} while another node computed"
+        note += " (the relay factors: the proxy relaying streams on the nodes' cores)"
+    handoff = profile.get("serving", {}).get("pull_handoff_s")
+    if handoff is not None:
+        note += f"; a pull's served handoff {handoff * 1e3:.1f} ms on top of its bytes' transfer"
+    return note
 
 
 def finish(res: dict, args) -> None:
