@@ -159,23 +159,36 @@ def test_corun_factors_time_this_engine_beside_a_twin_computing_on_the_other_cor
 
 def test_relay_samples_time_a_pinned_prefill_while_the_hosts_proxy_relays_streams(random_llama):
     """The full profile's relay measurement, on a small model: two served nodes pinned one to each
-    core and a proxy in front of the second; the proxy's hop on top of the node's, and the first
-    node's prefills with the second idle and then streaming through the proxy."""
+    core and a proxy in front of the second; the proxy's hop on top of the node's, and in each round
+    the first node's prefills and decode steps with the second idle and then streaming through the proxy."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("one core: no other core to stream from")
     samples = relay_samples(["--model", random_llama, "--dtype", "float32", "--threads", "1"], (cores[0], cores[1]),
-                            prompts=5, streams=1, decodes=3)
-    assert all(len(samples[k]) == 5 for k in ("direct_hop_ms", "proxy_hop_ms", "idle_prefill_ms",
-                                              "relayed_prefill_ms"))
-    assert len(samples["idle_decode_step_ms"]) == len(samples["relayed_decode_step_ms"]) == 3
-    timed = ("direct_hop_ms", "idle_prefill_ms", "relayed_prefill_ms", "idle_decode_step_ms", "relayed_decode_step_ms")
-    assert all(x > 0 for k in timed for x in samples[k])
+                            prompts=3, streams=1, decodes=2, rounds=2)
+    assert len(samples["direct_hop_ms"]) == len(samples["proxy_hop_ms"]) == 3 and len(samples["rounds"]) == 2
+    for measured in samples["rounds"]:  # each round: A idle beside B, then beside B's relayed streams
+        assert all(len(measured[k]) == 3 for k in ("idle_prefill_ms", "relayed_prefill_ms"))
+        assert len(measured["idle_decode_step_ms"]) == len(measured["relayed_decode_step_ms"]) == 2
+        timed = ("idle_prefill_ms", "relayed_prefill_ms", "idle_decode_step_ms", "relayed_decode_step_ms")
+        assert all(x > 0 for k in timed for x in measured[k])
+        assert measured["relayed_tokens_per_s"] > 0  # the streams ran while A prefilled
+    assert all(x > 0 for x in samples["direct_hop_ms"])
     # The proxy's hop adds its own work (two more HTTP legs) to the node's.
     assert statistics.median(samples["proxy_hop_ms"]) > statistics.median(samples["direct_hop_ms"]) > 0
-    assert samples["relayed_tokens_per_s"] > 0  # the streams ran while A prefilled
     factors = relay_factors(samples)
     assert factors.keys() == {"relay", "relay_decode"} and all(0.5 < f < 5.0 for f in factors.values())
+
+
+def test_relay_factors_are_the_median_rounds_ratio_and_read_profiles_of_one_round():
+    def round_of(idle: float, relayed: float) -> dict:
+        return {"idle_prefill_ms": [idle, idle + 2, idle - 2], "relayed_prefill_ms": [relayed] * 3,
+                "idle_decode_step_ms": [idle / 10], "relayed_decode_step_ms": [relayed / 10]}
+
+    samples = {"rounds": [round_of(100, 110), round_of(100, 150), round_of(50, 60)]}  # x1.1, x1.5, x1.2
+    assert relay_factors(samples) == pytest.approx({"relay": 1.2, "relay_decode": 1.2})
+    before_rounds = {"idle_prefill_ms": [100, 80, 120], "relayed_prefill_ms": [130]}  # a profile of session 47
+    assert relay_factors(before_rounds) == pytest.approx({"relay": 1.3})
 
 
 def test_pull_handoffs_time_a_served_pull_pairs_kv_wait_and_the_profile_keeps_what_exceeds_the_transfer(
