@@ -152,31 +152,33 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     assert a.result().output_len == 50 and b.result().output_len == 5 and node.free_blocks == blocks
 
 
-def test_on_one_host_a_node_steps_slower_while_another_computes():
-    """Co-run factors x1.5 (prefill) and x2 (decode). A (100 -> 3) computes alone from 0; B (100 ->
-    6) arrives on the other node at 0.12 s, in A's first decode step: B's prefill runs x1.5 and A's
-    decode run is cut at that step, its next step x2. Once A is done B decodes alone again."""
-    profile = known_profile()
-    profile.corun = {"prefill": 1.5, "decode": 2.0}
-    sim = Simulation(profile, one_host=True)
+def a_then_b_on_two_nodes(profile: Profile, one_host: bool) -> tuple[Tracker, Tracker]:
+    """A (100 -> 3 tokens) on one node from 0, B (100 -> 6) on the other from 0.12 s, in A's first
+    decode step; simulated to the end."""
+    sim = Simulation(profile, one_host=one_host)
     batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
     first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
     a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 6), 0.12)
     sim.at(0.0, lambda: first.submit(Job(0, 100, 3, a, lambda t: None)))
     sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
     sim.run()
+    return a, b
+
+
+def test_on_one_host_a_node_steps_slower_while_another_computes():
+    """Co-run factors x1.5 (prefill) and x2 (decode). A (100 -> 3) computes alone from 0; B (100 ->
+    6) arrives on the other node at 0.12 s, in A's first decode step: B's prefill runs x1.5 and A's
+    decode run is cut at that step, its next step x2. Once A is done B decodes alone again."""
+    profile = known_profile()
+    profile.corun = {"prefill": 1.5, "decode": 2.0}
+    a, b = a_then_b_on_two_nodes(profile, one_host=True)
     step = [0.025 + kv * 1e-5 for kv in range(101, 106)]  # one sequence's decode step at 101.. KV tokens
     assert a.result().ttft_ms == pytest.approx(110.0)  # 10 + 100 ms, alone
     assert a.result().itls_ms == pytest.approx([step[0] * 1e3, 2 * step[1] * 1e3])
     assert b.result().ttft_ms == pytest.approx(1.5 * 110.0)
     assert b.result().itls_ms == pytest.approx([x * 1e3 for x in step])  # A finished at 0.188 s, B at 0.275
     # Not on one host (the planner's clusters): no factor.
-    sim = Simulation(profile)
-    first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
-    a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 6), 0.12)
-    sim.at(0.0, lambda: first.submit(Job(0, 100, 3, a, lambda t: None)))
-    sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
-    sim.run()
+    a, b = a_then_b_on_two_nodes(profile, one_host=False)
     assert a.result().itls_ms == pytest.approx([x * 1e3 for x in step[:2]]) and b.result().ttft_ms == pytest.approx(110.0)
 
 
@@ -209,13 +211,7 @@ def test_on_one_host_a_decode_step_runs_the_decode_relay_factor_slower_while_ano
     profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 2.0}
     step = [0.025 + kv * 1e-5 for kv in range(101, 106)]  # one sequence's decode step at 101.. KV tokens
     for one_host, factor in ((True, 2.0), (False, 1.0)):
-        sim = Simulation(profile, one_host=one_host)
-        batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
-        first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
-        a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 6), 0.12)
-        sim.at(0.0, lambda: first.submit(Job(0, 100, 3, a, lambda t: None)))
-        sim.at(0.12, lambda: second.submit(Job(1, 100, 6, b, lambda t: None)))
-        sim.run()
+        a, b = a_then_b_on_two_nodes(profile, one_host)
         assert a.result().itls_ms == pytest.approx([step[0] * 1e3, factor * step[1] * 1e3])
         assert b.result().ttft_ms == pytest.approx(110.0)
         assert b.result().itls_ms == pytest.approx([x * 1e3 for x in step])

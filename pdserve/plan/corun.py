@@ -21,7 +21,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +29,8 @@ from contextlib import contextmanager
 import httpx
 
 from pdserve.config import EngineConfig
-from pdserve.procs import Child, ProcessGroup
+from pdserve.plan.measure import pinned_pair
+from pdserve.procs import Child
 from pdserve.workload import random_prompts
 
 TWIN_PROMPT, TWIN_BATCH, TWIN_TOKENS = 512, 4, 16  # like speed_index: a 512-token prefill, 4 decoding
@@ -197,12 +197,7 @@ def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int =
     (decode) and x1.13-1.36 (prefill) on a 2-vCPU AMD EPYC, as the host drifts and the OS places
     the relay."""
     both = set(cores)
-    with tempfile.TemporaryDirectory(prefix="pdserve-relay-") as logs, ProcessGroup() as group:
-        a = Child.on_free_port("a", ["serve", "--role", "both", *engine_args], (cores[0],), log_path=f"{logs}/a.log")
-        b = Child.on_free_port("b", ["serve", "--role", "both", *engine_args], (cores[1],), log_path=f"{logs}/b.log")
-        for child in (a, b):
-            group.start(child)
-        group.wait_ready([a, b], 600)
+    with pinned_pair(("both", "both"), engine_args, cores) as (group, logs, a, b):
         proxy = Child.on_free_port("proxy", ["proxy", "--mode", "colocated", "--node", b.url], tuple(sorted(both)),
                                    log_path=f"{logs}/proxy.log")
         group.start(proxy)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import torch
@@ -186,6 +188,21 @@ def probe(client: httpx.Client, url: str, prompt: list[int]) -> dict:
             "gaps_s": [round(b - a, 6) for a, b in zip(times, times[1:])]}
 
 
+@contextmanager
+def pinned_pair(roles: tuple[str, str], engine_args: list[str],
+                cores: tuple[int, int]) -> Iterator[tuple[ProcessGroup, str, Child, Child]]:
+    """Two served nodes of `roles`, the first pinned to the first core and the second to the second
+    (as `pdserve up` runs a host), ready: (their group, a log directory removed after, the nodes)."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-pair-") as logs, ProcessGroup() as group:
+        nodes = [Child.on_free_port(f"{role}-{i}", ["serve", "--role", role, *engine_args], (core,),
+                                    log_path=f"{logs}/{role}-{i}.log")
+                 for i, (role, core) in enumerate(zip(roles, cores))]
+        for child in nodes:
+            group.start(child)
+        group.wait_ready(nodes, 600)
+        yield group, logs, nodes[0], nodes[1]
+
+
 def pull_handoffs(engine_args: list[str], cores: tuple[int, int], prompts: int = 20) -> list[dict]:
     """A pull pair as `pdserve up` runs one on this host: P (`--role prefill`) pinned to the first
     core, D (`--role decode`) to the second, each asked directly as the proxy asks them. For each of
@@ -193,12 +210,7 @@ def pull_handoffs(engine_args: list[str], cores: tuple[int, int], prompts: int =
     for the KV (x-pdserve-kv-load-ms: from D's reservation to its loop reading the finished pull,
     the side channel's round trips and D's loader thread included), the bytes it moved and the
     transport that moved them."""
-    with tempfile.TemporaryDirectory(prefix="pdserve-handoff-") as logs, ProcessGroup() as group:
-        p = Child.on_free_port("p", ["serve", "--role", "prefill", *engine_args], (cores[0],), log_path=f"{logs}/p.log")
-        d = Child.on_free_port("d", ["serve", "--role", "decode", *engine_args], (cores[1],), log_path=f"{logs}/d.log")
-        for child in (p, d):
-            group.start(child)
-        group.wait_ready([p, d], 600)
+    with pinned_pair(("prefill", "decode"), engine_args, cores) as (_, _, p, d):
         out = []
         with httpx.Client(timeout=120) as client:
             for ids in random_prompts(prompts + 1, PROBE_PROMPT, 55):
