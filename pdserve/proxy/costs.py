@@ -6,7 +6,8 @@ them) without the planning package: prefill chunk = a + b * tokens + c * tokens 
 at each batch size k measured between the smallest and the largest (so the step follows the
 measured batches piecewise-linearly); transfer = latency + bytes / bandwidth per transport, plus
 what a served pull's handoff adds; plus what serving adds per request hop. tests/test_placement.py
-checks that these predictions are the planner's own. The planner's fits evaluate their features with `feature_value` below.
+checks that these predictions are the planner's own. The planner's fits evaluate their features
+with `feature_value` below.
 """
 
 from __future__ import annotations
