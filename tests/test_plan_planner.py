@@ -33,6 +33,33 @@ def test_each_family_gets_its_smallest_passing_size():
             assert planner.evaluate(family, choice.units - 1)["slo_attainment"] < 0.9
 
 
+def test_a_search_from_a_guess_finds_the_same_size_and_needs_two_simulations_where_the_guess_is_right():
+    """The planner tries a family first at the size of a solved family of its ratio (pull for push,
+    colocated for colocated nodes of other settings): from any guess the search ends at the size a
+    bisection over the whole range finds; from the right one, after 2 simulations (it and one fewer)."""
+    planner = Planner(known_profile(), requests(300), 6.0, SLOS, 0.9, 40)
+    runs = []
+    evaluate = planner.evaluate
+    planner.evaluate = lambda family, units, whole=False: runs.append(units) or evaluate(family, units, whole)
+    sizes = {}
+    for family in (Family("colocated", 0, 1), Family("pull", 1, 2)):
+        plain = sizes[family] = planner.smallest(family)
+        assert plain.meets and 3 <= plain.units < 40 // family.unit_cores, plain.units  # room above and below
+        for guess in (1, plain.units - 2, plain.units - 1, plain.units + 1, plain.units + 5, 40 // family.unit_cores):
+            found = planner.smallest(family, guess=guess)
+            assert (found.units, found.meets) == (plain.units, True), (family, guess)
+            assert found.summary["slo_attainment"] == plain.summary["slo_attainment"]
+        runs.clear()
+        assert planner.smallest(family, guess=plain.units).units == plain.units
+        assert runs == [plain.units, plain.units - 1]
+    # Where no size up to the largest passes, the search from a guess ends there, as the bisection does.
+    colocated = Family("colocated", 0, 1)
+    top = sizes[colocated].units - 1
+    failing = planner.smallest(colocated, max_cores=top, guess=1)
+    assert not failing.meets and failing.units == top
+    assert failing.summary == planner.smallest(colocated, max_cores=top).summary  # run whole, for the report
+
+
 def test_under_an_itl_slo_the_planner_also_tries_colocated_nodes_with_a_prefill_cap_that_fits_it():
     """Known costs: a decode step of 8 streams of 1024 tokens takes 20 + 40 + 81.92 ms; 75 % of a
     400 ms ITL leaves 158 ms for a chunk of 10 ms + 1 ms/token: 144 tokens (whole blocks). At 200 ms

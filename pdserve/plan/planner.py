@@ -11,7 +11,9 @@ kv_both nodes (per request: prefill where it decodes, or on the other node and p
 P/D family again with per-role settings (P's token budget, D's most streams, and with
 --thread-profile, P or D nodes of more threads: role_variants). For each family the planner finds
 the smallest k whose simulated SLO attainment reaches the target (attainment grows with k), by
-bisection between 1 and --max-nodes. Sizes count cores: a node of t threads counts t, so a
+bisection between 1 and --max-nodes, or, where a family of its P:D ratio is solved (pull for push,
+colocated for colocated nodes of other settings, the family for its per-role variants), from that
+size outward. Sizes count cores: a node of t threads counts t, so a
 family of fatter nodes wins only where it needs fewer cores. A bisection step stops its
 simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
 which the report shows even when it fails, runs whole.
@@ -193,21 +195,63 @@ class Planner:
         self.simulated_requests += summary["simulated_requests"]
         return summary
 
-    def smallest(self, family: Family, max_cores: int | None = None, report: bool = True) -> Choice | None:
+    def passes(self, summary: dict) -> bool:
+        return summary["slo_attainment"] >= self.attainment
+
+    def smallest(self, family: Family, max_cores: int | None = None, report: bool = True,
+                 guess: int | None = None) -> Choice | None:
         """The family's smallest passing size of at most `max_cores` (default: the planner's
         --max-nodes, nodes of one thread); a failing Choice at the largest size (its summary whole
-        where `report`, else perhaps only an upper bound of its attainment); None if no unit fits."""
+        where `report`, else perhaps only an upper bound of its attainment); None if no unit fits.
+        `guess`, a size near the answer (a solved family's of the same shape), is tried first and
+        the search gallops away from it until the answer is bracketed: 2 simulations where the
+        guess is right, against about log2(--max-nodes) for a bisection from the whole range."""
         top = (max_cores or self.max_nodes) // family.unit_cores
         if top < 1:
             return None
-        summary = self.evaluate(family, top, whole=report)  # the report shows it even when it fails
-        if summary["slo_attainment"] < self.attainment:
-            return Choice(family, top, False, summary)
-        lo, hi, best = 1, top, summary  # invariant: hi passes
+        if guess is not None and 1 <= guess < top:
+            summary = self.evaluate(family, guess)
+            if self.passes(summary):
+                return self._below(family, guess, summary)
+            bracket = self._above(family, guess, top, report)
+            if isinstance(bracket, Choice):
+                return bracket
+            lo, hi, best = bracket
+        else:
+            summary = self.evaluate(family, top, whole=report)  # the report shows it even when it fails
+            if not self.passes(summary):
+                return Choice(family, top, False, summary)
+            lo, hi, best = 1, top, summary
+        return self._bisect(family, lo, hi, best)
+
+    def _below(self, family: Family, hi: int, best: dict) -> Choice:
+        """`hi` passes: probe 1, 2, 4, ... sizes below it until one fails, then bisect the gap."""
+        step = 1
+        while hi - step >= 1:
+            summary = self.evaluate(family, hi - step)
+            if not self.passes(summary):
+                return self._bisect(family, hi - step + 1, hi, best)
+            hi, best, step = hi - step, summary, step * 2
+        return self._bisect(family, 1, hi, best)
+
+    def _above(self, family: Family, failed: int, top: int, report: bool) -> Choice | tuple[int, int, dict]:
+        """`failed` fails: probe 1, 2, 4, ... sizes above it until one passes, (lo, hi, its summary)
+        to bisect; where that reaches `top`, the top size as the search from the whole range runs it."""
+        lo, step = failed + 1, 1
+        while lo + step - 1 < top:
+            summary = self.evaluate(family, lo + step - 1)
+            if self.passes(summary):
+                return lo, lo + step - 1, summary
+            lo, step = lo + step, step * 2
+        summary = self.evaluate(family, top, whole=report)
+        return (lo, top, summary) if self.passes(summary) else Choice(family, top, False, summary)
+
+    def _bisect(self, family: Family, lo: int, hi: int, best: dict) -> Choice:
+        """The smallest passing size in [lo, hi], where `hi` passes with summary `best`."""
         while lo < hi:
             mid = (lo + hi) // 2
             summary = self.evaluate(family, mid)
-            if summary["slo_attainment"] >= self.attainment:
+            if self.passes(summary):
                 hi, best = mid, summary
             else:
                 lo = mid + 1
@@ -226,7 +270,7 @@ class Planner:
         out = []
         for base in (c for c in choices if c.family.prefill and c.cores <= 2 * bound):
             # A variant that fails at the bound is not reported: its run may stop as soon as it fails
-            variants = [self.smallest(f, bound, report=False)
+            variants = [self.smallest(f, bound, report=False, guess=base.units if base.meets else None)
                         for f in role_variants(base.family, tuple(self.thread_profiles))]
             best = min((c for c in variants if c is not None and c.meets), key=rank, default=None)
             if best is not None and rank(best) < rank(base):
@@ -235,13 +279,31 @@ class Planner:
 
     def plan(self) -> dict:
         start = time.perf_counter()
-        choices = [c for c in (self.smallest(f) for f in families(self.profile, self.slos)) if c is not None]
+        choices: list[Choice] = []
+        for family in families(self.profile, self.slos):
+            choice = self.smallest(family, guess=guess_from(family, choices))
+            if choice is not None:
+                choices.append(choice)
         choices += self.tuned(choices)
         passing = sorted((c for c in choices if c.meets), key=rank)
         return {"rate": self.rate, "slos_ms": self.slos, "attainment": self.attainment, "max_nodes": self.max_nodes,
                 "num_prompts": len(self.requests), "pick": row(passing[0], self.rate) if passing else None,
                 "setups": [row(c, self.rate) for c in sorted(choices, key=lambda c: (not c.meets, c.cores))],
                 "simulated_requests": self.simulated_requests, "seconds": time.perf_counter() - start}
+
+
+def guess_from(family: Family, solved: list[Choice]) -> int | None:
+    """A first size to try for `family`: that of the last passing family of its P:D ratio (pull
+    and push of one ratio; colocated nodes with other settings, and auto's pairs, as colocated),
+    for as many cores. They need about as many: pull and push of a ratio the same size at 200
+    cores (docs/benchmarks.md)."""
+    def share(f: Family) -> float:
+        return f.prefill / f.unit_nodes if f.mode != "auto" else 0.0  # auto's kv_both nodes: colocated
+
+    for choice in reversed(solved):
+        if choice.meets and share(choice.family) == share(family):
+            return max(1, round(choice.cores / family.unit_cores))
+    return None
 
 
 def rank(choice: Choice) -> tuple:
