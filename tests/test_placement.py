@@ -25,7 +25,8 @@ from pdserve.proxy.membership import Membership
 from pdserve.proxy.placement import Placer, PromptView, pair_transport
 from pdserve.proxy.policies import Node, NoHealthyNode
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
-from pdserve.proxy.speed import DecodeWindow, NodeSpeed
+from pdserve.proxy.speed import DecodeWindow, NodeSpeed, shared_steps
+from pdserve.proxy.timing import RequestTiming
 
 PROFILE = Path(__file__).parents[1] / "docs" / "results" / "profile.json"
 
@@ -277,6 +278,23 @@ def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
     assert speed.prefill == 1.0
     speed.observe_prefill(10.0, 1.0)
     assert speed.prefill == pytest.approx(0.7 + 0.3 * 3.0)
+
+
+def test_a_prompt_prefilled_with_others_is_priced_with_the_steps_it_shared():
+    """A node that prefilled 3 waiting prompts of 128 tokens in one step answers each after it: 384
+    tokens' time against one prompt's price would read as a node 3x slow (auto's prefill speeds sat
+    at their limit past saturation). The price is scaled by the steps' tokens over the prompt's own
+    (what its prefix cache held is not its own); a node that does not report them: 1."""
+    timing = RequestTiming(arrival=0.0, prompt_tokens=128, cached_tokens=0, prefill_step_tokens=384)
+    assert shared_steps(timing) == 3.0
+    timing.cached_tokens = 64  # 64 computed, in steps of 384
+    assert shared_steps(timing) == 6.0
+    assert shared_steps(RequestTiming(arrival=0.0, prompt_tokens=128, cached_tokens=0, prefill_step_tokens=128)) == 1.0
+    assert shared_steps(RequestTiming(arrival=0.0, prompt_tokens=128)) == 1.0  # not reported
+    speed = NodeSpeed()
+    speed.observe_prefill(0.3, 0.1 * shared_steps(RequestTiming(arrival=0.0, prompt_tokens=128, cached_tokens=0,
+                                                                 prefill_step_tokens=384)))
+    assert speed.prefill == pytest.approx(1.0)  # as fast as the profile: it did three prompts' work
 
 
 def test_placement_prices_each_node_at_its_measured_speed(tmp_path):

@@ -87,3 +87,28 @@ def test_a_zero_prefill_cap_holds_prompts_until_the_streams_finish_but_admits_lo
         step()
     assert [r.num_output_tokens for r in (stream, prompt, loaded)] == [6, 2, 3]
     assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_each_prompt_counts_the_prompt_tokens_of_the_steps_that_prefilled_it():
+    """RequestMetrics.prefill_step_tokens: a node taking turns prefills the prompts that waited for
+    its stream together, so each one's TTFT covers both prompts' tokens; a prompt alone in its steps
+    counts its own; chunks count every chunk of the steps they ran in; a decode step counts nothing."""
+    scheduler = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), 8, 12, True, clock=lambda: 0.0,
+                          prefill_cap=0)
+    stream, a, b = make_request(list(range(4)), "S", 3), make_request(list(range(8)), "A", 1), \
+        make_request(list(range(6)), "B", 1)
+
+    def step() -> None:
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+
+    scheduler.add(stream)
+    step()  # S alone: its 4 prompt tokens
+    scheduler.add(a)
+    scheduler.add(b)
+    while not stream.status.finished:
+        step()  # S decodes; A and B wait for it (prefill and decode take turns)
+    assert stream.metrics.prefill_step_tokens == 4 and a.metrics.prefill_step_tokens == 0
+    step()  # A's 8 tokens and B's first 4 (a budget of 12)
+    step()  # B's last 2
+    assert a.metrics.prefill_step_tokens == 12 and b.metrics.prefill_step_tokens == 12 + 2

@@ -42,6 +42,9 @@ class RequestMetrics:
     kv_blocks: int = 0  # the blocks they filled (per KV group)
     kv_transport: str | None = None  # the transport that moved them
     num_preemptions: int = 0
+    # Prompt tokens computed, by every request, in the steps that computed this one's prompt (its own
+    # included): prompts prefilled together share those steps, and each one's TTFT counts all of them.
+    prefill_step_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

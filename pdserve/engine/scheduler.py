@@ -138,9 +138,13 @@ class Scheduler:
         if not out.preempted:  # admitting new work while evicting old would just thrash
             self._admit_waiting(out, min(budget, prefill_budget))
         now = self.clock()
+        chunks = [s for s in out.scheduled if not is_decode(s)]
+        step_tokens = sum(s.num_new_tokens for s in chunks)
         for s in out.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
+        for s in chunks:
+            s.request.metrics.prefill_step_tokens += step_tokens
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

@@ -223,6 +223,7 @@ class NodeServer:
             "x-pdserve-remote-tokens": str(m.num_remote_tokens),
             "x-pdserve-kv-bytes": str(m.kv_bytes),
             "x-pdserve-kv-blocks": str(m.kv_blocks),
+            "x-pdserve-prefill-step-tokens": str(m.prefill_step_tokens),
         }
         if m.kv_transport:
             headers["x-pdserve-kv-transport"] = m.kv_transport

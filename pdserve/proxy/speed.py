@@ -14,7 +14,10 @@ smoothed over the recent past, and multiplies the profile's predictions by them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from pdserve.proxy.timing import RequestTiming
 
 SMOOTHING = 0.3  # weight of the newest ratio
 LIMITS = (1 / 3, 3.0)  # a ratio outside is a hiccup (a node paused, a scrape late), not the node's speed
@@ -62,6 +65,18 @@ class NodeSpeed:
     def observe_prefill(self, measured_s: float, predicted_s: float) -> None:
         if predicted_s >= MIN_PREFILL_S and measured_s > 0:
             self.prefill = _smooth(self.prefill, measured_s / predicted_s)
+
+
+def shared_steps(timing: RequestTiming) -> float:
+    """How many times its own prompt's tokens the steps that prefilled a request computed (1: it was
+    prefilled alone). A node that prefills several waiting prompts at once (one taking turns, when
+    its streams end) answers each after the whole step: its time is compared with the profile's
+    price of all those tokens, not of its own (which drove the speed to its limit of 3 past
+    saturation: docs/benchmarks.md)."""
+    own = (timing.prompt_tokens or 0) - (timing.cached_tokens or 0)
+    if not timing.prefill_step_tokens or own <= 0:
+        return 1.0  # a node that does not report it, or a prompt it held whole
+    return max(timing.prefill_step_tokens / own, 1.0)
 
 
 def _smooth(old: float, ratio: float) -> float:

@@ -33,6 +33,7 @@ class RequestTiming:
     node_queue_s: float = 0.0  # time in P's waiting queue (P's x-pdserve-queue-ms)
     prefill_s: float = 0.0  # P's prefill after its queue (colocated: the node's TTFT after its queue)
     prefill_engine_s: float = 0.0  # of it, P's engine's own (its TTFT after its queue): the rest are hops
+    prefill_step_tokens: int | None = None  # prompt tokens of every request in the steps that prefilled this one
     decode_ttft_s: float = 0.0  # P and D apart: D's engine's time from the request to its first output
     transfer_s: float = 0.0  # D's wait for the KV (D's x-pdserve-kv-load-ms); push: only what was exposed
     first_byte: float | None = None

@@ -24,6 +24,7 @@ from pdserve.proxy.flows.base import ClientRequest, Flow, sequences
 from pdserve.proxy.membership import Membership
 from pdserve.proxy.placement import Placer, pulls
 from pdserve.proxy.prompts import PromptTokens
+from pdserve.proxy.speed import shared_steps
 from pdserve.proxy.timing import RequestTiming
 from pdserve.sampling_params import InvalidParameter
 
@@ -96,7 +97,8 @@ class AutoFlow(Flow):
                                                         self.answer(decoder, self.ask(decoder, req, body), req))
                 else:
                     response = await self.answer(decoder, self.ask(decoder, req, body), req)
-                (prefiller or decoder).speed.observe_prefill(timing.prefill_s, placement.prefill_profile_s)
+                (prefiller or decoder).speed.observe_prefill(
+                    timing.prefill_s, placement.prefill_profile_s * shared_steps(timing))
                 return response
             except NodeError as exc:
                 node = next((n for n in (decoder, prefiller) if n is not None and n.url == exc.node), None)

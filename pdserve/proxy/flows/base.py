@@ -122,6 +122,7 @@ class Flow(ABC):
         timing.node_queue_s = header_seconds(response, "x-pdserve-queue-ms")
         timing.prefill_s = max(header_seconds(response, "x-pdserve-ttft-ms") - timing.node_queue_s, 0.0)
         timing.prefill_done = timing.arrival + timing.node_queue_s + timing.prefill_s
+        timing.prefill_step_tokens = header_int(response, "x-pdserve-prefill-step-tokens")
         timing.transfer_s = header_seconds(response, "x-pdserve-kv-load-ms")
 
     def announce(self, params: KVTransferParams) -> bool:
@@ -182,6 +183,7 @@ class Flow(ABC):
         timing.cached_tokens = header_int(response, "x-pdserve-cached-tokens")
         timing.prefill_s = max(timing.prefill_done - timing.arrival - timing.node_queue_s, 0.0)
         timing.prefill_engine_s = max(header_seconds(response, "x-pdserve-ttft-ms") - timing.node_queue_s, 0.0)
+        timing.prefill_step_tokens = header_int(response, "x-pdserve-prefill-step-tokens")
         if response.status_code != 200:
             raise NodeError(response.status_code, response.content, node.url)
         answer = response.json()
