@@ -306,12 +306,22 @@ def _message(body: Any) -> str:
         return body.decode(errors="replace")[:500] if isinstance(body, bytes) else str(body)[:500]
 
 
+def _predicted(node: Node) -> dict[str, float]:
+    """Auto mode's predictions for the node, in seconds from now (0: passed): its queue of prefills,
+    its streams' end and, taking turns, the end of the batch that waits for them."""
+    now = time.monotonic()
+    until = {"prefill_backlog": node.prefill_backlog_until, "streams": node.streams_until,
+             "next_streams": node.next_streams_until}
+    return {name: round(max(t - now, 0.0), 3) for name, t in until.items()}
+
+
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:
     described = {"url": node.url, "role": node.role, "healthy": node.healthy, "active_requests": node.active_requests,
                  "active_tokens": node.active_tokens, "kv_usage": node.kv_usage, "served": node.served,
                  "streams_past_itl": node.streams_past_itl,
                  "engine": node.engine,
-                 "speed": {"prefill": round(node.speed.prefill, 3), "decode": round(node.speed.decode, 3)}}
+                 "speed": {"prefill": round(node.speed.prefill, 3), "decode": round(node.speed.decode, 3)},
+                 "predicted_s": _predicted(node)}
     if cache is not None:  # the proxy's copy of the node's prefix cache (proxy/prefix_index.py)
         described["prefix_cache"] = {"synced": cache.synced, "blocks": len(cache.hashes), "epoch": cache.epoch,
                                      "batch": cache.seq, "resyncs": cache.resyncs}
