@@ -236,16 +236,13 @@ def test_a_node_taking_turns_is_priced_by_when_its_streams_end_not_by_a_stall(tm
     assert itl.misses(local_a, view, 128) == itl.misses(local_b, view, 128) == 0  # the stall costs no gap
     choice = itl.place(prompt, [a, b], [a, b], output_tokens=128)
     assert (choice.decoder, choice.choice, choice.output_tokens, choice.prompt_tokens) == (b, "local", 128, 100)
-    # Dispatched there, B's prefill queues behind its streams and its new stream, in the batch after
-    # them, ends after that, at the step of B's batch with it in: 2 streams, their KV (256 + its 100
-    # prompt and 128 answer tokens)
-    assert choice.next_batch
+    # Dispatched there, B's prefill queues behind its streams and its new stream ends after that, at
+    # the step of B's batch with it in: 2 streams, their KV (256 + its 100 prompt and 128 answer tokens)
     itl.dispatched(choice)
     assert b.prefill_backlog_until == pytest.approx(now + 1.0 + choice.prefill_s, abs=1e-3)
     step = itl.costs.step_s(2, 256 + 100 + 128)
     assert step > itl.costs.step_s(2, 256)
-    assert b.streams_until == now + 1.0
-    assert b.next_streams_until == pytest.approx(itl.clock() + choice.ttft_s + 128 * step, abs=1e-2)
+    assert b.streams_until == pytest.approx(itl.clock() + choice.ttft_s + 128 * step, abs=1e-2)
     # A load from another node is admitted while B's streams decode, unless prompts queued before it wait
     given = PromptView(prompt, itl.costs, itl.index, itl.transport, now, first_token_given=True)
     assert given.load_wait(a) == 0.0 and given.load_wait(b) == pytest.approx(b.streams_until - now)
@@ -255,45 +252,7 @@ def test_a_node_taking_turns_is_priced_by_when_its_streams_end_not_by_a_stall(tm
     assert not plain.takes_turns
     assert view.local(plain).stall_s == pytest.approx(3 * 0.110) and view.local(plain).ttft_s == pytest.approx(0.110)
     b.end(256)  # its one stream ends
-    assert (b.streams_until, b.next_streams_until, b.prefill_backlog_until) == (0.0, 0.0, 0.0)  # idle: nothing pending
-
-
-def test_prompts_that_wait_for_one_batch_of_streams_decode_as_the_next_batch(tmp_path):
-    """A node taking turns decodes 1 stream, predicted to end in 1 s. Three prompts placed now wait
-    for it, prefill one after another, and then decode together: the streams' end stays where it
-    was and the next batch's end is the latest of theirs, not three batches chained (which kept a
-    drained node looking busy for seconds a request). Once the first batch is predicted done, the
-    next one is the batch a prompt waits for; a load given P's first token joins the batch decoding."""
-    b = Node("http://b:1", "kv_both", active_requests=1, active_tokens=256,
-             engine={"max_prefill_tokens_while_decoding": "0"})
-    turns = placer(tmp_path, [b])
-    clock = [1000.0]
-    turns.clock = lambda: clock[0]
-    b.streams_until = 1001.0
-    prompt, hop = list(range(100)), turns.costs.request_hop_s
-    placed = []
-    for _ in range(3):
-        choice = turns.place(prompt, [], [b], output_tokens=128)
-        assert choice.next_batch and choice.choice == "local"
-        turns.dispatched(choice)
-        b.begin(228)  # the proxy sends it
-        placed.append(choice)
-    prefill = placed[0].prefill_s
-    assert [c.ttft_s for c in placed] == pytest.approx([1.0 + k * prefill + hop + prefill for k in range(3)], abs=1e-6)
-    assert b.streams_until == 1001.0 and b.prefill_backlog_until == pytest.approx(1001.0 + 3 * prefill)
-    last_step = turns.costs.step_s(4, 256 + 3 * 228)  # the batch as the third was placed
-    assert b.next_streams_until == pytest.approx(1000.0 + placed[2].ttft_s + 128 * last_step, abs=1e-6)
-    assert b.next_streams_until < 1001.0 + 3 * (hop + prefill + 128 * turns.costs.step_s(2, 484))
-    # A load given P's first token computes nothing: it joins the stream decoding, behind no prompt
-    given = PromptView(prompt, turns.costs, turns.index, turns.transport, 1001.5, first_token_given=True)
-    next_end = b.next_streams_until
-    clock[0] = 1001.5  # the first batch is predicted done: the three prompts' batch decodes now
-    fourth = turns.place(prompt, [], [b], output_tokens=128)
-    assert (b.streams_until, b.next_streams_until) == (next_end, 0.0)
-    assert fourth.next_batch and fourth.ttft_s == pytest.approx(next_end - 1001.5 + hop + prefill, abs=1e-6)
-    b.prefill_backlog_until = 0.0  # (their prefills done)
-    assert not given.after_streams(b, computes=False) and given.after_streams(b)
-    assert given.load_wait(b) == 0.0
+    assert (b.streams_until, b.prefill_backlog_until) == (0.0, 0.0)  # idle: nothing predicted is pending
 
 
 def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
@@ -480,7 +439,7 @@ def test_the_proxy_counts_a_stream_past_the_itl_slo_while_it_streams(tmp_path):
             time.sleep(0.05)
         # Idle, nothing auto predicted for the node is pending
         predicted = httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"][0]["predicted_s"]
-        assert predicted == {"prefill_backlog": 0.0, "streams": 0.0, "next_streams": 0.0}
+        assert predicted == {"prefill_backlog": 0.0, "streams": 0.0}
     finally:
         proxy.stop()
         node.stop()

@@ -307,11 +307,10 @@ def _message(body: Any) -> str:
 
 
 def _predicted(node: Node) -> dict[str, float]:
-    """Auto mode's predictions for the node, in seconds from now (0: passed): its queue of prefills,
-    its streams' end and, taking turns, the end of the batch that waits for them."""
+    """Auto mode's predictions for the node, in seconds from now (0: passed): when the prefills sent
+    to it are done, and when the streams placed on it have ended."""
     now = time.monotonic()
-    until = {"prefill_backlog": node.prefill_backlog_until, "streams": node.streams_until,
-             "next_streams": node.next_streams_until}
+    until = {"prefill_backlog": node.prefill_backlog_until, "streams": node.streams_until}
     return {name: round(max(t - now, 0.0), 3) for name, t in until.items()}
 
 

@@ -14,9 +14,8 @@ prefill: the transfer of what D does not hold, D's second hop, and its recompute
 prompt token unless D decodes from P's first token: kv_transfer_params.first_token_id). Its stall is the seconds of prefill run on the decode node times the streams it
 holds (and, prefilled on a kv_both node, the prefill times the streams that node holds). A node
 whose prefill and decode take turns (--max-prefill-tokens-while-decoding 0) stalls no stream: a
-prompt there waits instead until its streams have finished (Node.streams_until), and that wait
-is in the TTFT; the prompts that wait for one batch's streams prefill and then decode together, as
-the next batch (Node.next_streams_until: the latest of their predicted TTFTs + tokens at the step). The
+prompt there waits instead until its streams have finished (Node.streams_until: each placed
+request's predicted TTFT + its tokens at the node's step), and that wait is in the TTFT. The
 proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second of delay to
 each stream already decoding counts as much as a second of this request's TTFT.
 Given SLOs (`--slo ttft:MS tpot:MS`), it first takes the options that make the fewest requests
@@ -59,7 +58,6 @@ class Placement:
     prefiller_stall_s: float = 0.0
     output_tokens: int = 0  # what the request asks for: how long it will hold the decode node (Node.streams_until)
     prompt_tokens: int = 0  # its prompt: KV its decode steps read (as Placer.misses prices them)
-    next_batch: bool = False  # the decode node takes turns: it waits for that node's streams, decodes after them
 
     @property
     def choice(self) -> str:
@@ -115,26 +113,21 @@ class PromptView:
         take turns, its streams (placed ones too) finishing."""
         return max(prefill_start(node, self.now) - self.now, 0.0)
 
-    def after_streams(self, d: Node, computes: bool = True) -> bool:
-        """Would it wait for `d`'s streams to finish, `d` taking turns? A prompt it `computes` does
-        while they decode; a load from another node (given P's first token, `d` computes nothing) only
-        behind prompts queued before it (the queue is first come first served)."""
-        if not (d.takes_turns and d.coming_requests and d.streams_until > self.now):
-            return False
-        return computes or d.prefill_backlog_until > self.now
-
     def load_wait(self, d: Node) -> float:
-        """Until `d` takes this prompt's KV from another node (after_streams)."""
+        """Until `d` takes this prompt's KV from another node. A node taking turns admits a load while
+        its streams decode (it computes nothing, given P's first token), unless prompts queued before
+        it wait for those streams (the queue is first come first served)."""
         if not (d.takes_turns and self.first_token_given):
             return self.wait(d)
-        return max(d.streams_until - self.now, 0.0) if self.after_streams(d, computes=False) else 0.0
+        queued = d.prefill_backlog_until > self.now
+        return max(d.streams_until - self.now, 0.0) if queued and d.coming_requests else 0.0
 
     def local(self, d: Node) -> Placement:
         hit = self.cached(d)
         profile_s = self.costs.prefill_s(self.tokens, hit)
         seconds = profile_s * d.speed.prefill
         return Placement(d, None, hit, seconds, profile_s, self.wait(d) + self.costs.request_hop_s + seconds,
-                         seconds * streams_stalled(d), next_batch=self.after_streams(d))
+                         seconds * streams_stalled(d))
 
     def prefill_ttft(self, p: Node) -> float:
         """When P would answer the proxy: its queue, a hop, the prefill of what it does not hold."""
@@ -151,8 +144,7 @@ class PromptView:
         profile_s = costs.prefill_s(n, hit)
         seconds = profile_s * p.speed.prefill
         streams_on_p = streams_stalled(p) if p.role == "kv_both" else 0  # a P node decodes nothing
-        return Placement(d, p, hit, seconds, profile_s, ttft, last_token * streams_stalled(d), seconds * streams_on_p,
-                         next_batch=self.after_streams(d, computes=not self.first_token_given))
+        return Placement(d, p, hit, seconds, profile_s, ttft, last_token * streams_stalled(d), seconds * streams_on_p)
 
     def uncached(self, node: Node) -> int:
         return self.tokens - self.cached(node)
@@ -354,25 +346,22 @@ class Placer:
         decoders = [d for d in decoders if d.healthy]
         if not decoders:
             raise NoHealthyNode("no healthy decode or colocated node")
-        now = self.clock()
-        for d in decoders:  # the decode steps each node ran since the last request; its batch now
+        for d in decoders:  # the decode steps each node ran since the last request
             d.speed.fold_decode(self.costs.step_s)
-            d.take_turn(now)
-        view = PromptView(token_ids, self.costs, self.index, self.transport, now, first_token_given)
+        view = PromptView(token_ids, self.costs, self.index, self.transport, self.clock(), first_token_given)
         return replace(self.rule.place(view, prefillers, decoders, output_tokens), output_tokens=output_tokens,
                        prompt_tokens=view.tokens)
 
     def dispatched(self, placement: Placement) -> None:
         """Queue the prefill's predicted time on the node that runs it, and the stream's predicted
-        end on the decode node (its first token, then its tokens at the step its batch will take), in
-        the batch decoding there or, taking turns behind it, the next."""
+        end on the decode node (its first token, then its tokens at the step its batch will take)."""
         now, node, d = self.clock(), placement.prefiller or placement.decoder, placement.decoder
         node.prefill_backlog_until = prefill_start(node, now) + placement.prefill_s
         # Its batch with this request in, its tokens too (as misses priced it): not yet reserved or begun.
         tokens = d.active_tokens + d.reserved_tokens + placement.prompt_tokens + placement.output_tokens
         step = self.costs.step_s(d.coming_requests + 1, tokens) * d.speed.decode
-        end = now + placement.ttft_s + placement.output_tokens * step
-        if placement.next_batch:  # with the prompts that wait for the same streams: one batch, not one after another
-            d.next_streams_until = max(d.next_streams_until, end)
-        else:
-            d.streams_until = max(d.streams_until, end)
+        # On a node taking turns the TTFT already waits for the old streams_until, so placements chain as
+        # if served one by one, where its engine decodes the prompts that waited as one batch. Kept on
+        # purpose: past saturation this keeps one node's batches within a TPOT SLO and sends the overflow
+        # to the other; a two-batch model lost to it (docs/benchmarks.md, "Auto past saturation").
+        d.streams_until = max(d.streams_until, now + placement.ttft_s + placement.output_tokens * step)

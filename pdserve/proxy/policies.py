@@ -36,9 +36,6 @@ class Node:
     # auto mode: when the streams placed here are predicted to have finished (monotonic s); a node
     # whose prefill and decode take turns starts no prompt before then
     streams_until: float = 0.0
-    # ... and on such a node, when the batch of prompts that wait for those streams is predicted to
-    # have finished: they prefill together once the streams end, and decode as one batch
-    next_streams_until: float = 0.0
     load: NodeLoad | None = None  # its latest metrics, for the dashboard (proxy/cluster.py)
 
     @property
@@ -46,11 +43,6 @@ class Node:
         """Its prefill and decode take turns: no prompt token while a stream decodes
         (--max-prefill-tokens-while-decoding 0, as its engine info reports)."""
         return self.engine.get("max_prefill_tokens_while_decoding") == prefill_cap_label(0)
-
-    def take_turn(self, now: float) -> None:
-        """Taking turns: once its decoding batch is predicted done, the batch that waited decodes."""
-        if self.streams_until <= now < self.next_streams_until:
-            self.streams_until, self.next_streams_until = self.next_streams_until, 0.0
 
     def reserve(self, tokens: int) -> None:
         self.reserved_requests += 1
@@ -79,7 +71,7 @@ class Node:
         self.active_tokens -= tokens
         self.served += ok
         if self.active_requests == 0:  # idle: whatever was predicted is done
-            self.prefill_backlog_until = self.streams_until = self.next_streams_until = 0.0
+            self.prefill_backlog_until = self.streams_until = 0.0
 
 
 class Policy(Protocol):
