@@ -238,11 +238,11 @@ class Planner:
         """`failed` fails: probe 1, 2, 4, ... sizes above it until one passes, (lo, hi, its summary)
         to bisect; where that reaches `top`, the top size as the search from the whole range runs it."""
         lo, step = failed + 1, 1
-        while lo + step - 1 < top:
-            summary = self.evaluate(family, lo + step - 1)
+        while (probe := lo + step - 1) < top:
+            summary = self.evaluate(family, probe)
             if self.passes(summary):
-                return lo, lo + step - 1, summary
-            lo, step = lo + step, step * 2
+                return lo, probe, summary
+            lo, step = probe + 1, step * 2
         summary = self.evaluate(family, top, whole=report)
         return (lo, top, summary) if self.passes(summary) else Choice(family, top, False, summary)
 
