@@ -362,6 +362,7 @@ class Placer:
         step = self.costs.step_s(d.coming_requests + 1, tokens) * d.speed.decode
         # On a node taking turns the TTFT already waits for the old streams_until, so placements chain as
         # if served one by one, where its engine decodes the prompts that waited as one batch. Kept on
-        # purpose: past saturation this keeps one node's batches within a TPOT SLO and sends the overflow
-        # to the other; a two-batch model lost to it (docs/benchmarks.md, "Auto past saturation").
+        # purpose: in the simulator, past saturation, it keeps one node's batches within a TPOT SLO and
+        # sends the other the overflow; a two-batch model and a bound by the requests in flight lost
+        # that, and measured none of the three beat round robin (docs/benchmarks.md, "Two horizons").
         d.streams_until = max(d.streams_until, now + placement.ttft_s + placement.output_tokens * step)
