@@ -376,7 +376,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError("--thread-profile: --nodes N weighs shapes of N one-thread nodes; plan without --nodes")
         return plan_shape(args, profile, slos)
     planner = Planner(profile, requests_from_args(args), args.rate, slos, args.attainment, args.max_nodes, args.seed,
-                      thread_profiles(args.thread_profile, profile))
+                      thread_profiles(args.thread_profile, profile), args.size_every_family)
     result = planner.plan()
     result.update({"profile": args.profile, "dataset": args.dataset, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     print(report(result, args.profile))
@@ -685,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=int, default=None, metavar="N",
                       help="instead: the best shape of exactly N nodes at --rate (colocated or P:D, as "
                            "`pdserve up --mode auto --nodes N` picks it): should these N nodes disaggregate?")
+    plan.add_argument("--size-every-family", action="store_true",
+                      help="size each setup family exactly (default: one that cannot pass within the cheapest "
+                           "found before it is reported as needing more, which answers faster)")
     add_dataset_args(plan, num_prompts=2000)
     plan.set_defaults(dataset="mixed")
     plan.add_argument("--out", default=None, help="write every setup's figures as JSON here")

@@ -128,6 +128,25 @@ def test_the_planner_tries_p_or_d_nodes_of_more_threads_counting_their_cores():
     assert not any("threads" in r["setup"] for r in without["setups"])
 
 
+def test_a_family_that_cannot_beat_the_cheapest_so_far_is_not_sized_and_the_pick_is_the_same():
+    """By default a family is searched only up to the cores of the cheapest passing family before
+    it; one that fails there is reported as needing more. Against sizing every family: the same
+    pick (a tuned per-role variant under the ITL SLO), the same row for each family sized, more
+    cores for each one not sized, and fewer requests simulated."""
+    for args in ((requests(), 6.0, SLOS), (requests(300), 4.0, {"ttft_ms": 5000.0, "max_itl_ms": 100.0})):
+        every = Planner(known_profile(), *args, 0.9, 16, size_every_family=True).plan()
+        bounded = Planner(known_profile(), *args, 0.9, 16).plan()
+        assert bounded["pick"] == every["pick"] and every["not_sized"] == []
+        exact = {r["family"]: r for r in every["setups"]}
+        assert all(exact[r["family"]] == r for r in bounded["setups"])
+        assert bounded["not_sized"], "nothing was left unsized: the test shows nothing"
+        for r in bounded["not_sized"]:
+            assert r["family"] not in {s["family"] for s in bounded["setups"]}
+            assert exact[r["family"]]["cores"] > r["more_than_cores"] or not exact[r["family"]]["meets"]
+        assert bounded["simulated_requests"] < every["simulated_requests"]
+    assert every["pick"]["setup"].endswith("(--decode-max-num-seqs 8)")
+
+
 def test_a_unit_with_thinned_arrivals_predicts_the_whole_round_robin_cluster():
     reqs, rate, units = requests(1200), 8.0, 4
     whole = simulate(known_profile(), Setup.parse(f"pull:{units}P{2 * units}D"), reqs, rate, 1.0, 0, SLOS, itls=False)
@@ -165,9 +184,16 @@ def test_plan_cli_answers_and_refuses_bad_input(tmp_path):
     rate = data["simulated_requests"] / data["seconds"]  # the simulator's speed, reported
     assert data["simulated_requests"] >= 300
     assert f"requests simulated in {data['seconds']:.1f} s, {rate:,.0f} a second" in ok.stdout
-    assert {r["family"] for r in data["setups"]} >= {"colocated", "colocated, no chunked prefill", "pull 1P:1D",
-                                                     "push 1P:3D"}
+    named = {r["family"] for r in data["setups"] + data["not_sized"]}
+    assert named >= {"colocated", "colocated, no chunked prefill", "pull 1P:1D", "push 1P:3D"}
     assert all(r["meets"] for r in data["setups"] if r["family"].startswith("colocated"))
+    for r in data["not_sized"]:  # each named, with the cores it needs more than
+        assert f"{r['family']:40s} more than {r['more_than_cores']} cores: not sized" in ok.stdout
+    every = plan_cli(*common, "--rate", "2", "--goodput", "ttft:5000", "tpot:100", "--max-nodes", "8",
+                     "--size-every-family", "--out", str(out))
+    assert every.returncode == 0 and "not sized" not in every.stdout
+    assert "cheapest: " + data["pick"]["setup"] in every.stdout
+    assert {r["family"] for r in json.loads(out.read_text())["setups"]} == named
 
     impossible = plan_cli(*common, "--rate", "4", "--goodput", "ttft:1", "--max-nodes", "4")
     assert impossible.returncode == 1

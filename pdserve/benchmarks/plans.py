@@ -55,7 +55,7 @@ def main() -> None:
     for scale in args.scales:
         rate = scale * args.rate_per_node
         for name, slos in SLO_SETS.items():
-            result = Planner(profile, requests, rate, slos, 0.9, scale).plan()
+            result = Planner(profile, requests, rate, slos, 0.9, scale, size_every_family=True).plan()
             res["answers"].append({"scale": scale, "rate": rate, "slos_name": name, **result})
             pick = result["pick"]
             lines.append(f"| {scale} | {rate:g} | {name} | {pick['setup'] if pick else 'none meets'} | "

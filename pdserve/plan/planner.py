@@ -18,6 +18,14 @@ family of fatter nodes wins only where it needs fewer cores. A bisection step st
 simulation as soon as the target is out of reach (simulate's give_up_below); the largest size,
 which the report shows even when it fails, runs whole.
 
+Only the cheapest setup is the answer, so by default a family is sized only up to the cores of the
+cheapest passing family found before it: one that cannot pass there is reported as needing more
+(not sized), after one simulation that stops as soon as it cannot reach the target
+(`--size-every-family` sizes each exactly, as `python -m pdserve.benchmarks.plans` does for its
+best colocated and best PD columns). The pick is the same either way: a family tuned with per-role
+settings in one mode is tuned in the other (a P/D family not sized is tried once at twice the
+cheapest's cores, which decides that as its size would: Planner.within).
+
 A cluster of k units is simulated as one unit that receives every k-th request: the proxy's
 round robin hands each node every (k * its count)-th request, so a unit sees the load's arrivals
 thinned k times, i.e. gamma gaps of shape k (with Poisson arrivals) at rate / k. That keeps a
@@ -173,7 +181,7 @@ class Choice:
 class Planner:
     def __init__(self, profile: Profile, requests: list[BenchRequest], rate: float, slos: dict[str, float],
                  attainment: float, max_nodes: int, seed: int = 0,
-                 thread_profiles: dict[int, Profile] | None = None) -> None:
+                 thread_profiles: dict[int, Profile] | None = None, size_every_family: bool = False) -> None:
         if not slos:
             raise ValueError("--goodput: give the SLOs to plan for, e.g. ttft:2000 tpot:60")
         if not 0 < attainment <= 1:
@@ -183,6 +191,7 @@ class Planner:
         self.profile, self.requests, self.rate, self.slos = profile, requests, rate, slos
         self.attainment, self.max_nodes, self.seed = attainment, max_nodes, seed
         self.thread_profiles = thread_profiles or {}  # threads -> profile: nodes of that many are tried too
+        self.size_every_family = size_every_family  # else a family past the cheapest so far is not sized
         self.simulated_requests = 0
 
     def evaluate(self, family: Family, units: int, whole: bool = False) -> dict:
@@ -257,38 +266,55 @@ class Planner:
                 lo = mid + 1
         return Choice(family, hi, True, best)
 
-    def tuned(self, choices: list[Choice]) -> list[Choice]:
+    def tuned(self, choices: list[Choice], unsized: list[Family]) -> list[Choice]:
         """Each P/D family's best per-role variant (role_variants) where it beats the family with
         the node's own settings: fewer nodes, or as many and more requests within the SLOs. Only
         sizes up to the best choice so far are searched (a larger cluster cannot be the pick), and
         only families within twice its size are tuned (beyond, a setting would have to halve the
-        family to win). Where nothing passes, nothing is tuned: the report names the closest setup."""
+        family to win; a family not sized is tried at twice the size). Where nothing passes,
+        nothing is tuned: the report names the closest setup."""
         passing = [c for c in choices if c.meets]
         if not passing:
             return []
         bound = min(passing, key=rank).cores
+        bases = [c for c in choices if c.family.prefill and c.cores <= 2 * bound]
+        bases += [Choice(f, 0, False, {}) for f in unsized if f.prefill and self.within(f, 2 * bound)]
         out = []
-        for base in (c for c in choices if c.family.prefill and c.cores <= 2 * bound):
+        for base in bases:
             # A variant that fails at the bound is not reported: its run may stop as soon as it fails
             variants = [self.smallest(f, bound, report=False, guess=base.units if base.meets else None)
                         for f in role_variants(base.family, tuple(self.thread_profiles))]
             best = min((c for c in variants if c is not None and c.meets), key=rank, default=None)
-            if best is not None and rank(best) < rank(base):
+            if best is not None and (not base.units or rank(best) < rank(base)):
                 out.append(best)
         return out
+
+    def within(self, family: Family, cores: int) -> bool:
+        """Would the family, sized exactly, take at most `cores`: it passes there, or (not passing
+        anywhere) its largest size, at which the report would show it, is no more."""
+        top = self.max_nodes // family.unit_cores
+        if top * family.unit_cores <= cores:
+            return True
+        units = cores // family.unit_cores
+        return units >= 1 and self.passes(self.evaluate(family, units))
 
     def plan(self) -> dict:
         start = time.perf_counter()
         choices: list[Choice] = []
+        unsized: dict[Family, int] = {}  # a family that cannot pass at the cheapest so far: those cores
         for family in families(self.profile, self.slos):
-            choice = self.smallest(family, guess=guess_from(family, choices))
-            if choice is not None:
+            bound = None if self.size_every_family else min((c.cores for c in choices if c.meets), default=None)
+            choice = self.smallest(family, bound, report=bound is None, guess=guess_from(family, choices))
+            if choice is not None and (choice.meets or bound is None):
                 choices.append(choice)
-        choices += self.tuned(choices)
+            elif bound is not None:
+                unsized[family] = bound
+        choices += self.tuned(choices, list(unsized))
         passing = sorted((c for c in choices if c.meets), key=rank)
         return {"rate": self.rate, "slos_ms": self.slos, "attainment": self.attainment, "max_nodes": self.max_nodes,
                 "num_prompts": len(self.requests), "pick": row(passing[0], self.rate) if passing else None,
                 "setups": [row(c, self.rate) for c in sorted(choices, key=lambda c: (not c.meets, c.cores))],
+                "not_sized": [{"family": f.name, "more_than_cores": cores} for f, cores in unsized.items()],
                 "simulated_requests": self.simulated_requests, "seconds": time.perf_counter() - start}
 
 
@@ -335,6 +361,9 @@ def report(result: dict, profile_path: str) -> str:
                      f"{r['goodput_per_node']:12.3f} "
                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} {r['median_tpot_ms']:9.1f} "
                      f"{r['p99_tpot_ms']:9.1f}{mark}")
+    for r in result.get("not_sized", []):
+        lines.append(f"{r['family']:40s} more than {r['more_than_cores']} cores: not sized, a cheaper setup "
+                     "passed first (--size-every-family sizes it)")
     lines.append("")
     pick = result["pick"]
     if pick:
