@@ -17,7 +17,7 @@ from pdserve.kv.prefix_hash import block_hashes
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
 from pdserve.plan.sim import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
-from pdserve.workload import BenchRequest
+from pdserve.workload import BenchRequest, mixed_dataset
 
 KV_BYTES = 1000  # per token
 
@@ -180,6 +180,20 @@ def test_on_one_host_a_node_steps_slower_while_another_computes():
     # Not on one host (the planner's clusters): no factor.
     a, b = a_then_b_on_two_nodes(profile, one_host=False)
     assert a.result().itls_ms == pytest.approx([x * 1e3 for x in step[:2]]) and b.result().ttft_ms == pytest.approx(110.0)
+
+
+def test_the_simulated_proxy_measures_each_nodes_decode_speed_as_the_health_poller_does():
+    """Auto's proxy holds each node's decode-step counters, read every health interval, against its
+    profile (proxy/speed.py). Apart, the simulated steps cost what the profile says: x1.0. On one
+    host, where a step runs x2 while the other node computes, the proxy sees the nodes run slower
+    and prices their steps so, as a real proxy does on `pdserve up`'s nodes."""
+    profile = known_profile()
+    profile.corun = {"prefill": 1.0, "decode": 2.0}
+    load = mixed_dataset(120, seed=1, long_fraction=0.0, short=(64, 64))
+    apart = simulate(profile, Setup.parse("auto:2"), load, 4.0, 1.0, 0, {"ttft_ms": 5000.0})
+    together = simulate(profile, Setup.parse("auto:2"), load, 4.0, 1.0, 0, {"ttft_ms": 5000.0}, one_host=True)
+    assert all(speed == pytest.approx(1.0) for speed in apart["decode_speeds"].values()), apart["decode_speeds"]
+    assert all(1.2 < speed <= 2.0 for speed in together["decode_speeds"].values()), together["decode_speeds"]
 
 
 def test_on_one_host_a_prefill_runs_the_relay_factor_slower_while_a_stream_is_under_way():

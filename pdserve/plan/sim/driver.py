@@ -178,5 +178,7 @@ def _simulate(profile: Profile, setup: Setup, requests: list[BenchRequest], rate
                     # each node's decode-only steps, as a node's /metrics counts them (benchmarks/host_load.py)
                     "decode_counters": {n.name: n.decode.counters() for n in proxy.prefillers + proxy.decoders}})
     if setup.mode == "auto":
-        summary.update({"placement": placement, "placement_counts": dict(proxy.placements)})
+        summary.update({"placement": placement, "placement_counts": dict(proxy.placements),
+                        # what the proxy measured each node's decode steps at, against its profile (proxy/speed.py)
+                        "decode_speeds": {n.url: n.speed.decode for n in proxy.d_nodes}})
     return summary

@@ -14,10 +14,12 @@ from pdserve.plan.sim.events import Simulation
 from pdserve.plan.sim.node import Job, SimNode
 from pdserve.plan.sim.setup import Batching, Setup
 from pdserve.plan.sim.tracker import Tracker
+from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.placement import Placer
 from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
 from pdserve.proxy.prefix_index import NodeCache
+from pdserve.proxy.speed import DecodeWindow
 from pdserve.proxy.timing import exposed_push_wait
 from pdserve.workload import BenchRequest
 
@@ -85,12 +87,26 @@ class SimProxy:
             self.placer = Placer(costs, SimIndex(self.members, batching.block_size), placement, transport=transport,
                                  slos=slos, clock=lambda: sim.now, policy=policy)
             self.placements = {"local": 0, "remote": 0}
+            self._polled = -float("inf")  # when the health poller last read the nodes' decode counters
 
     def _read_kv_usage(self) -> None:
         """What the proxy reads from each node's /metrics (here: live)."""
         for n in self.p_nodes + self.d_nodes:
             sim_node = self.members[n.url]
             n.kv_usage = 1.0 - sim_node.free_blocks / sim_node.batching.num_blocks
+
+    def _poll_speeds(self) -> None:
+        """What the proxy's health poller reads every interval: each node's decode-step counters,
+        which its NodeSpeed holds against the profile's model (a simulated step runs the co-run and
+        relay factors, which auto's prices do not: without it the simulated proxy priced steps
+        those factors too cheap, and auto won in the simulator where it lost on real nodes)."""
+        now = self.sim.now
+        if now - self._polled < ProxyConfig.health_interval_s:
+            return
+        self._polled = now
+        for n in self.p_nodes + self.d_nodes:
+            d = self.members[n.url].decode
+            n.speed.count_decode_steps(DecodeWindow(d.steps, d.seconds, d.seqs, d.kv_tokens))
 
     def _select(self, role: str, tokens: int) -> Node:
         self._read_kv_usage()
@@ -199,6 +215,7 @@ class SimProxy:
                on_done: Callable[[float], None]) -> None:
         """AutoFlow: the proxy's Placer chooses (placement.py): prefill on D, or on a P that D pulls from."""
         self._read_kv_usage()
+        self._poll_speeds()
         # The simulated requests are greedy, one sequence: D decodes from P's first token
         placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len, first_token_given=True)
         self.placer.dispatched(placement)
