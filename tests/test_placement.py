@@ -22,8 +22,8 @@ from pdserve.plan.profile import Profile
 from pdserve.proxy.costs import CostModel
 from pdserve.proxy.flows.auto import AutoFlow
 from pdserve.proxy.membership import Membership
-from pdserve.proxy.placement import Placer, PromptView, pair_transport
-from pdserve.proxy.policies import Node, NoHealthyNode
+from pdserve.proxy.placement import Placer, PromptView, next_turn, pair_transport, turn_ends
+from pdserve.proxy.policies import Node, NoHealthyNode, Stream
 from pdserve.proxy.prefix_index import NodeCache, PrefixIndex
 from pdserve.proxy.speed import DecodeWindow, NodeSpeed, shared_steps
 from pdserve.proxy.timing import RequestTiming
@@ -215,19 +215,36 @@ def test_streams_already_past_the_itl_slo_are_not_counted_again(tmp_path):
     assert tpot.misses(view.local(a), view, 128) == 1 + 3  # this one (a 50 ms step) and all three
 
 
+def streaming(node: Node, count: int, ends_in: float, now: float, prompt: int = 128, output: int = 128) -> list[Stream]:
+    """`count` streams on `node`, under way since the time that puts their end `ends_in` s from `now`
+    at the step of their batch (known costs: 20 ms + 5 ms/seq + 0.01 ms/KV token)."""
+    step = 0.020 + 0.005 * count + 1e-5 * count * (prompt + output)
+    streams = [Stream(prompt, output, now + ends_in - output * step) for _ in range(count)]
+    node.streams += streams
+    node.active_requests += count
+    node.active_tokens += count * (prompt + output)
+    return streams
+
+
+def taking_turns(*urls: str) -> list[Node]:
+    nodes = [Node(url, "kv_both") for url in urls]
+    for n in nodes:
+        n.engine = {"max_prefill_tokens_while_decoding": "0"}
+    return nodes
+
+
 def test_a_node_taking_turns_is_priced_by_when_its_streams_end_not_by_a_stall(tmp_path):
     """Two kv_both nodes whose prefill and decode take turns (--max-prefill-tokens-while-decoding 0).
-    A holds 3 streams predicted to end in 4 s, B 1 stream ending in 1 s: a prompt computed on either
-    stalls no stream, it waits for the streams instead, so the prompt goes where it starts first (B),
-    and its TTFT counts that wait. Were B's streams to end later than A's, A. A node that does not
-    take turns is priced as before: by the stall."""
-    a, b = Node("http://a:1", "kv_both"), Node("http://b:1", "kv_both")
-    for n in (a, b):
-        n.engine = {"max_prefill_tokens_while_decoding": "0"}
-    a.active_requests, a.active_tokens, b.active_requests, b.active_tokens = 3, 768, 1, 256
+    A holds 3 streams that end in 4 s, B 1 stream ending in 1 s (from their first tokens, their
+    tokens and the step of their batch): a prompt computed on either stalls no stream, it waits for
+    the streams instead, so the prompt goes where it starts first (B), and its TTFT counts that
+    wait. Were B's stream to end later than A's, A. A node that does not take turns is priced as
+    before: by the stall."""
+    a, b = taking_turns("http://a:1", "http://b:1")
     itl = placer(tmp_path, [a, b], slos={"max_itl_ms": 100})
     now = itl.clock()
-    a.streams_until, b.streams_until = now + 4.0, now + 1.0
+    streaming(a, 3, 4.0, now)
+    (b_stream,) = streaming(b, 1, 1.0, now)
     prompt = list(range(100))
     view = PromptView(prompt, itl.costs, itl.index, itl.transport, now)
     local_a, local_b = view.local(a), view.local(b)
@@ -236,23 +253,56 @@ def test_a_node_taking_turns_is_priced_by_when_its_streams_end_not_by_a_stall(tm
     assert itl.misses(local_a, view, 128) == itl.misses(local_b, view, 128) == 0  # the stall costs no gap
     choice = itl.place(prompt, [a, b], [a, b], output_tokens=128)
     assert (choice.decoder, choice.choice, choice.output_tokens, choice.prompt_tokens) == (b, "local", 128, 100)
-    # Dispatched there, B's prefill queues behind its streams and its new stream ends after that, at
-    # the step of B's batch with it in: 2 streams, their KV (256 + its 100 prompt and 128 answer tokens)
-    itl.dispatched(choice)
+    # Dispatched there, B's prefill queues behind its stream, and the request waits for B's next turn
+    stream = itl.dispatched(choice)
+    assert b.streams == [b_stream, stream] and (stream.prompt_tokens, stream.output_tokens) == (100, 128)
     assert b.prefill_backlog_until == pytest.approx(now + 1.0 + choice.prefill_s, abs=1e-3)
-    step = itl.costs.step_s(2, 256 + 100 + 128)
-    assert step > itl.costs.step_s(2, 256)
-    assert b.streams_until == pytest.approx(itl.clock() + choice.ttft_s + 128 * step, abs=1e-2)
-    # A load from another node is admitted while B's streams decode, unless prompts queued before it wait
+    assert next_turn(b) == [stream] and next_turn(a) == []
+    assert turn_ends(b, now, itl.costs) == pytest.approx(now + 1.0, abs=1e-6)  # the stream under way still
+    # A load from another node is admitted while B's stream decodes, unless prompts queued before it wait
     given = PromptView(prompt, itl.costs, itl.index, itl.transport, now, first_token_given=True)
-    assert given.load_wait(a) == 0.0 and given.load_wait(b) == pytest.approx(b.streams_until - now)
-    b.streams_until = now + 9.0
+    assert given.load_wait(a) == 0.0 and given.load_wait(b) == pytest.approx(1.0, abs=1e-3)
+    b_stream.first_token_at += 8.0  # B's stream now ends in 9 s
     assert itl.place(prompt, [a, b], [a, b], output_tokens=128).decoder is a
-    plain = Node("http://c:1", "kv_both", active_requests=3, active_tokens=768, streams_until=now + 4.0)
+    plain = Node("http://c:1", "kv_both", active_requests=3, active_tokens=768)
+    streaming(plain, 3, 4.0, now)
     assert not plain.takes_turns
-    assert view.local(plain).stall_s == pytest.approx(3 * 0.110) and view.local(plain).ttft_s == pytest.approx(0.110)
-    b.end(256)  # its one stream ends
-    assert (b.streams_until, b.prefill_backlog_until) == (0.0, 0.0)  # idle: nothing predicted is pending
+    assert view.local(plain).stall_s == pytest.approx(6 * 0.110) and view.local(plain).ttft_s == pytest.approx(0.110)
+    b.end(256, stream=b_stream)
+    b.end(228, stream=stream)  # idle: nothing predicted is pending
+    assert b.streams == [] and b.prefill_backlog_until == 0.0 and turn_ends(b, now, itl.costs) == now
+
+
+def test_a_node_taking_turns_is_priced_by_what_the_proxy_sees_not_by_what_was_placed_before(tmp_path):
+    """The turn is read from the requests in flight, not chained from earlier placements: B was
+    sent 6 requests, of which one streams with 5 tokens left, so a prompt starts there in about 5
+    steps. Once its first token is relayed a waiting request holds the node's turn. A prompt joins
+    the next turn's batch (the requests waiting), not the streams under way: under a TPOT SLO that
+    a batch of 4 misses, B with 3 streams under way takes it without a miss, and a node that does
+    not take turns would make all four miss."""
+    a, b = taking_turns("http://a:1", "http://b:1")
+    tpot = placer(tmp_path, [a, b], slos={"tpot_ms": 40})
+    now = tpot.clock()
+    streaming(a, 1, 2.0, now)
+    (nearly_out,) = streaming(b, 1, 5 * 0.02756, now)  # 5 steps of one stream of 256 tokens
+    assert turn_ends(b, now, tpot.costs) == pytest.approx(now + 5 * 0.02756)
+    prompt = list(range(100))
+    view = PromptView(prompt, tpot.costs, tpot.index, tpot.transport, now)
+    assert view.local(b).ttft_s == pytest.approx(5 * 0.02756 + 0.110, abs=1e-3)
+    assert tpot.place(prompt, [a, b], [a, b], output_tokens=128).decoder is b
+    waiting = Stream(100, 128)
+    b.streams.append(waiting)
+    b.drop(nearly_out)
+    waiting.first_token_at = now  # its turn began: 128 steps of one stream of 228 tokens
+    assert turn_ends(b, now, tpot.costs) == pytest.approx(now + 128 * (0.025 + 228e-5))
+    c = taking_turns("http://c:1")[0]
+    streaming(c, 3, 1.0, now, prompt=32)  # 3 streams of 160 tokens step in 39.8 ms, 4 with it in 48.7
+    option = view.local(c)
+    assert tpot.costs.step_s(4, 3 * 160 + 228) > 0.040 >= tpot.costs.step_s(3, 3 * 160)
+    assert 0.040 > tpot.costs.step_s(1, 228)
+    assert tpot.misses(option, view, 128) == 0
+    c.engine = {}  # its prefill would stall them: all four in one batch
+    assert tpot.misses(view.local(c), view, 128) == 1 + 3
 
 
 def test_a_nodes_measured_speed_scales_what_the_profile_predicts():
@@ -403,6 +453,8 @@ def test_auto_mode_places_each_request_and_keeps_the_output(tmp_path):
         assert speeds["decode"]["decode"] != 1.0 and 1 / 3 <= speeds["decode"]["decode"] <= 3
         cold = httpx.post(proxy.url + "/v1/completions", json={**ask, "temperature": -1}, timeout=60)
         assert cold.status_code == 400 and cold.json()["error"]["param"] == "temperature"  # the node's 400, relayed
+        for node in httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"]:  # none left holding a turn
+            assert node["streams"] == {"streaming": 0, "waiting": 0}, node
     finally:
         proxy.stop()
         decode.stop()
@@ -419,8 +471,11 @@ def test_the_proxy_counts_a_stream_past_the_itl_slo_while_it_streams(tmp_path):
     proxy = start_pdserve(["proxy", "--mode", "auto", "--profile", str(profile), "--node", node.url,
                            "--slo", "itl:1"], tmp_path, "proxy")
 
+    def view() -> dict:
+        return httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"][0]
+
     def past_itl() -> int:
-        return httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"][0]["streams_past_itl"]
+        return view()["streams_past_itl"]
 
     try:
         ask = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 40, "temperature": 0,
@@ -431,15 +486,16 @@ def test_the_proxy_counts_a_stream_past_the_itl_slo_while_it_streams(tmp_path):
             for line in answer.iter_lines():
                 events += line.startswith("data: {")
                 if events == 20 and during is None:
-                    during = past_itl()
-        assert events > 20 and during == 1
+                    during = view()
+        assert events > 20 and during["streams_past_itl"] == 1
+        assert during["streams"] == {"streaming": 1, "waiting": 0}  # auto's view of the node's turn
         deadline = time.monotonic() + 10  # the relay's end runs as the stream closes, maybe after our last read
         while past_itl() != 0:
             assert time.monotonic() < deadline, "the stream still counts after it ended"
             time.sleep(0.05)
         # Idle, nothing auto predicted for the node is pending
-        predicted = httpx.get(proxy.url + "/v1/nodes", timeout=10).json()["nodes"][0]["predicted_s"]
-        assert predicted == {"prefill_backlog": 0.0, "streams": 0.0}
+        idle = view()
+        assert idle["predicted_s"] == {"prefill_backlog": 0.0} and idle["streams"] == {"streaming": 0, "waiting": 0}
     finally:
         proxy.stop()
         node.stop()

@@ -307,11 +307,16 @@ def _message(body: Any) -> str:
 
 
 def _predicted(node: Node) -> dict[str, float]:
-    """Auto mode's predictions for the node, in seconds from now (0: passed): when the prefills sent
-    to it are done, and when the streams placed on it have ended."""
-    now = time.monotonic()
-    until = {"prefill_backlog": node.prefill_backlog_until, "streams": node.streams_until}
-    return {name: round(max(t - now, 0.0), 3) for name, t in until.items()}
+    """Auto mode's prediction for the node, in seconds from now (0: passed): when the prefills sent
+    to it are done."""
+    return {"prefill_backlog": round(max(node.prefill_backlog_until - time.monotonic(), 0.0), 3)}
+
+
+def _streams(node: Node) -> dict[str, int]:
+    """Auto mode: the requests placed on the node to decode, streaming (a first token relayed) or
+    waiting (queued, prefilling, or their KV on its way): what a node taking turns is priced by."""
+    streaming = sum(s.first_token_at is not None for s in node.streams)
+    return {"streaming": streaming, "waiting": len(node.streams) - streaming}
 
 
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:
@@ -320,7 +325,7 @@ def _describe(node: Node, cache: NodeCache | None = None) -> dict:
                  "streams_past_itl": node.streams_past_itl,
                  "engine": node.engine,
                  "speed": {"prefill": round(node.speed.prefill, 3), "decode": round(node.speed.decode, 3)},
-                 "predicted_s": _predicted(node)}
+                 "predicted_s": _predicted(node), "streams": _streams(node)}
     if cache is not None:  # the proxy's copy of the node's prefix cache (proxy/prefix_index.py)
         described["prefix_cache"] = {"synced": cache.synced, "blocks": len(cache.hashes), "epoch": cache.epoch,
                                      "batch": cache.seq, "resyncs": cache.resyncs}

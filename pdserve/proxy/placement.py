@@ -14,8 +14,10 @@ prefill: the transfer of what D does not hold, D's second hop, and its recompute
 prompt token unless D decodes from P's first token: kv_transfer_params.first_token_id). Its stall is the seconds of prefill run on the decode node times the streams it
 holds (and, prefilled on a kv_both node, the prefill times the streams that node holds). A node
 whose prefill and decode take turns (--max-prefill-tokens-while-decoding 0) stalls no stream: a
-prompt there waits instead until its streams have finished (Node.streams_until: each placed
-request's predicted TTFT + its tokens at the node's step), and that wait is in the TTFT. The
+prompt there waits instead until the streams under way have finished, and decodes in the next turn,
+beside the prompts that wait with it (turn_ends, next_turn: from what the proxy sees of the requests
+placed there, Node.streams, each streaming since its first token was relayed or still waiting),
+and that wait is in the TTFT. The
 proxy takes the option of least TTFT + stall_weight x stall: with weight 1, a second of delay to
 each stream already decoding counts as much as a second of this request's TTFT.
 Given SLOs (`--slo ttft:MS tpot:MS`), it first takes the options that make the fewest requests
@@ -40,7 +42,7 @@ from typing import Callable, ClassVar
 from pdserve.kv.hosts import same_host
 from pdserve.kv.prefix_hash import block_hashes
 from pdserve.proxy.costs import CostModel
-from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode
+from pdserve.proxy.policies import POLICIES, Node, NoHealthyNode, Stream
 from pdserve.proxy.prefix_index import PrefixIndex
 from pdserve.registry import Registry
 
@@ -56,7 +58,7 @@ class Placement:
     stall_s: float  # predicted delay added to the streams decoding on the decode node, summed
     # ... and on the node that prefills it remotely, when that node decodes streams too (kv_both)
     prefiller_stall_s: float = 0.0
-    output_tokens: int = 0  # what the request asks for: how long it will hold the decode node (Node.streams_until)
+    output_tokens: int = 0  # what the request asks for: how long it will hold the decode node (turn_ends)
     prompt_tokens: int = 0  # its prompt: KV its decode steps read (as Placer.misses prices them)
 
     @property
@@ -110,8 +112,8 @@ class PromptView:
 
     def wait(self, node: Node) -> float:
         """Until the node can start a prompt: its queue of prefills, and where its prefill and decode
-        take turns, its streams (placed ones too) finishing."""
-        return max(prefill_start(node, self.now) - self.now, 0.0)
+        take turns, its turn of streams ending."""
+        return max(prefill_start(node, self.now, self.costs) - self.now, 0.0)
 
     def load_wait(self, d: Node) -> float:
         """Until `d` takes this prompt's KV from another node. A node taking turns admits a load while
@@ -120,7 +122,7 @@ class PromptView:
         if not (d.takes_turns and self.first_token_given):
             return self.wait(d)
         queued = d.prefill_backlog_until > self.now
-        return max(d.streams_until - self.now, 0.0) if queued and d.coming_requests else 0.0
+        return max(turn_ends(d, self.now, self.costs) - self.now, 0.0) if queued and d.streams else 0.0
 
     def local(self, d: Node) -> Placement:
         hit = self.cached(d)
@@ -150,11 +152,37 @@ class PromptView:
         return self.tokens - self.cached(node)
 
 
-def prefill_start(node: Node, now: float) -> float:
+def prefill_start(node: Node, now: float, costs: CostModel) -> float:
     """When the node can start a prompt sent now: after its queue of prefills and, where its
-    prefill and decode take turns, after its streams (placed ones too) have finished."""
+    prefill and decode take turns, after its turn of streams (turn_ends)."""
     start = max(node.prefill_backlog_until, now)
-    return max(start, node.streams_until) if node.takes_turns and node.coming_requests else start
+    return max(start, turn_ends(node, now, costs)) if node.takes_turns and node.streams else start
+
+
+def turn_ends(node: Node, now: float, costs: CostModel) -> float:
+    """When a node taking turns ends the turn a prompt sent now must wait for. With streams under
+    way: when the last of them is out (its first token + its tokens at the step of their batch);
+    the prompts waiting meanwhile are prefilled then, together, and decode in the next turn. With
+    none under way but prompts placed (prefilling now): their turn, after their prefills. From what
+    the proxy sees (Node.streams), not chained from predictions: a chain grew by every placement
+    until the node went idle, so a node that had drained to one stream still looked busy for tens
+    of seconds and its requests went to the other node, whose batches grew past the TPOT SLO."""
+    streaming = [s for s in node.streams if s.first_token_at is not None]
+    turn = streaming or node.streams
+    if not turn:
+        return now
+    step = costs.step_s(len(turn), sum(s.tokens for s in turn)) * node.speed.decode
+    if streaming:
+        return max(max(s.first_token_at + s.output_tokens * step for s in streaming), now)
+    return max(node.prefill_backlog_until, now) + max(s.output_tokens for s in turn) * step
+
+
+def next_turn(node: Node) -> list[Stream]:
+    """The streams a prompt placed now on a node taking turns would decode beside: the prompts
+    waiting for the streams under way to end (none under way: the waiting ones decode before it)."""
+    if any(s.first_token_at is not None for s in node.streams):
+        return [s for s in node.streams if s.first_token_at is None]
+    return []
 
 
 def streams_stalled(node: Node) -> int:
@@ -307,33 +335,39 @@ class Placer:
         """Requests predicted to miss an SLO if `option` is taken: this one (its TTFT; its TPOT or
         longest gap in the decode node's batch grown by one) and the streams on the decode node
         that met the TPOT or ITL SLO before and would not after (a bigger batch, plus the stall:
-        spread over their tokens for TPOT, whole in one gap for ITL; streams_missing)."""
+        spread over their tokens for TPOT, whole in one gap for ITL; streams_missing). On a node
+        taking turns a prompt it prefills joins the next turn's batch, not the streams under way."""
         if not self.slos:
             return 0
         d, costs = option.decoder, self.costs
         ttft_slo, tpot_slo, itl_slo = self.ttft_slo_s, self.tpot_slo_s, self.itl_slo_s  # ITL: a stall lands in one gap
-        streams, speed = d.active_requests, d.speed.decode
+        streams, past_itl, speed = d.active_requests, d.streams_past_itl, d.speed.decode
         coming, coming_tokens = d.coming_requests, d.active_tokens + d.reserved_tokens  # its batch, placed ones in
+        if d.takes_turns and option.prefiller is None:
+            turn = next_turn(d)  # none of them has streamed: none is past the ITL SLO
+            streams = coming = len(turn)
+            coming_tokens, past_itl = sum(s.tokens for s in turn), 0
         before = costs.step_s(coming, coming_tokens) * speed
         after = costs.step_s(coming + 1, coming_tokens + view.tokens + output_tokens) * speed
         misses = int(option.ttft_s > ttft_slo) + int(after > tpot_slo or after > itl_slo)
         stall = option.stall_s / streams if streams else 0.0  # each stream's (stall_s sums them)
-        misses += self.streams_missing(d, before, after + stall / output_tokens, after + stall)
+        misses += self.streams_missing(streams, past_itl, before, after + stall / output_tokens, after + stall)
         p = option.prefiller
         if option.prefiller_stall_s and p is not None:  # a kv_both node's streams wait for the prefill
             step = costs.step_s(p.active_requests, p.active_tokens) * p.speed.decode
-            misses += self.streams_missing(p, step, step + option.prefill_s / output_tokens, step + option.prefill_s)
+            misses += self.streams_missing(p.active_requests, p.streams_past_itl, step,
+                                           step + option.prefill_s / output_tokens, step + option.prefill_s)
         return misses
 
-    def streams_missing(self, node: Node, step: float, tpot: float, longest_gap: float) -> int:
-        """The streams on `node` that meet the SLOs at its `step` and would not at this `tpot` and
+    def streams_missing(self, streams: int, past_itl: int, step: float, tpot: float, longest_gap: float) -> int:
+        """Of `streams` that meet the SLOs at `step`, those that would not at this `tpot` and
         `longest_gap`; for the ITL SLO only those whose gaps have all been within it so far (the
-        proxy sees each stream's gaps: Node.streams_past_itl)."""
+        proxy sees each stream's gaps: Node.streams_past_itl, `past_itl`)."""
         tpot_slo, itl_slo = self.tpot_slo_s, self.itl_slo_s
         if step <= tpot_slo < tpot:
-            return node.active_requests
+            return streams
         if step <= itl_slo < longest_gap:
-            return max(node.active_requests - node.streams_past_itl, 0)
+            return max(streams - past_itl, 0)
         return 0
 
     def place(self, token_ids: list[int], prefillers: list[Node], decoders: list[Node],
@@ -352,17 +386,11 @@ class Placer:
         return replace(self.rule.place(view, prefillers, decoders, output_tokens), output_tokens=output_tokens,
                        prompt_tokens=view.tokens)
 
-    def dispatched(self, placement: Placement) -> None:
-        """Queue the prefill's predicted time on the node that runs it, and the stream's predicted
-        end on the decode node (its first token, then its tokens at the step its batch will take)."""
+    def dispatched(self, placement: Placement) -> Stream:
+        """Queue the prefill's predicted time on the node that runs it, and the request on its decode
+        node: the Stream the flow marks at its first token and ends with it (Node.end)."""
         now, node, d = self.clock(), placement.prefiller or placement.decoder, placement.decoder
-        node.prefill_backlog_until = prefill_start(node, now) + placement.prefill_s
-        # Its batch with this request in, its tokens too (as misses priced it): not yet reserved or begun.
-        tokens = d.active_tokens + d.reserved_tokens + placement.prompt_tokens + placement.output_tokens
-        step = self.costs.step_s(d.coming_requests + 1, tokens) * d.speed.decode
-        # On a node taking turns the TTFT already waits for the old streams_until, so placements chain as
-        # if served one by one, where its engine decodes the prompts that waited as one batch. Kept on
-        # purpose: in the simulator, past saturation, it keeps one node's batches within a TPOT SLO and
-        # sends the other the overflow; a two-batch model and a bound by the requests in flight lost
-        # that, and measured none of the three beat round robin (docs/benchmarks.md, "Two horizons").
-        d.streams_until = max(d.streams_until, now + placement.ttft_s + placement.output_tokens * step)
+        node.prefill_backlog_until = prefill_start(node, now, self.costs) + placement.prefill_s
+        stream = Stream(placement.prompt_tokens, placement.output_tokens)
+        d.streams.append(stream)
+        return stream

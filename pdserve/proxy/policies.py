@@ -12,6 +12,21 @@ from pdserve.proxy.speed import NodeSpeed
 from pdserve.registry import Registry
 
 
+@dataclass(eq=False)
+class Stream:
+    """A request auto mode placed on a decode node, from its placement to its end: what a node
+    taking turns is priced by (proxy/placement.py, turn_ends). Not yet streaming, it waits for the
+    node's next turn; streaming, it holds the node's turn until its tokens are out."""
+
+    prompt_tokens: int
+    output_tokens: int
+    first_token_at: float | None = None  # when the proxy relayed its first token (time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
 @dataclass
 class Node:
     url: str
@@ -33,9 +48,9 @@ class Node:
     # request placed while they prefill to the same decode node
     reserved_requests: int = 0
     reserved_tokens: int = 0
-    # auto mode: when the streams placed here are predicted to have finished (monotonic s); a node
-    # whose prefill and decode take turns starts no prompt before then
-    streams_until: float = 0.0
+    # auto mode: the requests placed here to decode, from placement to their end (a node whose
+    # prefill and decode take turns starts no prompt while any of them streams)
+    streams: list[Stream] = field(default_factory=list)
     load: NodeLoad | None = None  # its latest metrics, for the dashboard (proxy/cluster.py)
 
     @property
@@ -57,6 +72,11 @@ class Node:
         """Its streams once the requests placed here have arrived."""
         return self.active_requests + self.reserved_requests
 
+    def drop(self, stream: Stream) -> None:
+        """The request no longer holds a turn here (ended, or never reached the node)."""
+        if stream in self.streams:
+            self.streams.remove(stream)
+
     def record_check(self, ok: bool, max_failures: int) -> None:
         """Leave rotation after `max_failures` failed checks in a row; come back on the first success."""
         self.failures = 0 if ok else self.failures + 1
@@ -66,12 +86,14 @@ class Node:
         self.active_requests += 1
         self.active_tokens += tokens
 
-    def end(self, tokens: int, ok: bool = True) -> None:
+    def end(self, tokens: int, ok: bool = True, stream: Stream | None = None) -> None:
         self.active_requests -= 1
         self.active_tokens -= tokens
         self.served += ok
+        if stream is not None:  # a request's end on its decode node
+            self.drop(stream)
         if self.active_requests == 0:  # idle: whatever was predicted is done
-            self.prefill_backlog_until = self.streams_until = 0.0
+            self.prefill_backlog_until = 0.0
 
 
 class Policy(Protocol):

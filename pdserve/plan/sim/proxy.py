@@ -218,11 +218,20 @@ class SimProxy:
         self._poll_speeds()
         # The simulated requests are greedy, one sequence: D decodes from P's first token
         placement = self.placer.place(prompt.token_ids, self.p_nodes, self.d_nodes, req.output_len, first_token_given=True)
-        self.placer.dispatched(placement)
+        stream, decoder = self.placer.dispatched(placement), placement.decoder
         self.placements[placement.choice] += 1
+
+        def first_token(t: float) -> None:  # as the proxy's relay marks it
+            stream.first_token_at = t
+
+        def ended(t: float, done: Callable[[float], None] = on_done) -> None:
+            decoder.drop(stream)
+            done(t)
+
+        tracker.on_first, on_done = first_token, ended
         itl_slo = self.placer.slos.get("max_itl_ms")
         if itl_slo is not None:  # as the proxy's relay counts a stream whose gap passed the ITL SLO
-            tracker.limit, decoder = itl_slo / 1e3, placement.decoder
+            tracker.limit = itl_slo / 1e3
 
             def past_limit() -> None:
                 decoder.streams_past_itl += 1

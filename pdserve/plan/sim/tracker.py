@@ -51,6 +51,7 @@ class Tracker:
     # Called once, when the longest gap first passes `limit` (auto's proxy counts such streams)
     limit: float = float("inf")
     on_past_limit: Callable[[], None] | None = None
+    on_first: Callable[[float], None] | None = None  # called at its first token (auto's proxy marks its Stream)
     jitter: GapJitter | None = None  # what the client's gaps add to the engine's (None: nothing)
     stages: dict[str, float] = field(default_factory=dict)  # ms, as the proxy's x-pdserve-*-ms headers split TTFT
     _client_longest: float | None = None  # the longest gap with its jitter, drawn once
@@ -58,6 +59,8 @@ class Tracker:
     def token(self, time: float) -> None:
         if self.first is None:
             self.first = time
+            if self.on_first is not None:
+                self.on_first(time)
         else:
             self._longest(time - self.last)
             if self.gaps is not None:

@@ -80,12 +80,14 @@ class AutoFlow(Flow):
                 timing.placement_s = time.perf_counter() - start
                 self.metrics.placed(placement.choice, timing.placement_s)
             timing.placement, timing.predicted_ttft_s = placement.choice, placement.ttft_s
-            self.placer.dispatched(placement)
+            req.stream = self.placer.dispatched(placement)
             decoder, prefiller = placement.decoder, placement.prefiller
             try:
                 body = req.body
                 if prefiller is not None and prompt_only(req.body):
                     decoder, prefiller = prefiller, None  # the scoring call: P computes and reports it, alone
+                    placement.decoder.drop(req.stream)  # ... and decodes nothing
+                    req.stream = None
                 if prefiller is not None:
                     decoder.reserve(req.tokens)  # in D's batch to come while P prefills (Node.reserved_requests)
                     try:
@@ -100,7 +102,11 @@ class AutoFlow(Flow):
                 (prefiller or decoder).speed.observe_prefill(
                     timing.prefill_s, placement.prefill_profile_s * shared_steps(timing))
                 return response
-            except NodeError as exc:
+            except BaseException as exc:
+                if req.stream is not None:  # D's answer, if it came, ended it; else it never reached D
+                    placement.decoder.drop(req.stream)
+                if not isinstance(exc, NodeError):
+                    raise
                 node = next((n for n in (decoder, prefiller) if n is not None and n.url == exc.node), None)
                 if node is None or not exc.retryable:
                     raise

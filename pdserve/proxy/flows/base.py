@@ -28,7 +28,7 @@ from pdserve.proxy.config import ProxyConfig
 from pdserve.proxy.echo import PromptPart, for_decode, for_prefill, reports_prompt
 from pdserve.proxy.membership import ROLE_FLAGS, ROLE_NAMES, Membership
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.policies import POLICIES, Node, select_decoder, select_prefiller
+from pdserve.proxy.policies import POLICIES, Node, Stream, select_decoder, select_prefiller
 from pdserve.proxy.prefix_index import PrefixIndex
 from pdserve.proxy.timing import RequestTiming
 
@@ -53,6 +53,7 @@ class ClientRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its record's id (x-pdserve-request-id)
     span: Any = None  # tracing on: the request's span at the proxy (pdserve/tracing.py)
     open_spans: list = field(default_factory=list)  # its calls to nodes still open: ended with it
+    stream: Stream | None = None  # auto: the request on its decode node, as placement prices it (Node.streams)
 
     def trace_headers(self, name: str, node_url: str) -> dict[str, str] | None:
         """Tracing on: a span for a call to a node, and the `traceparent` header that makes the
@@ -231,24 +232,24 @@ class Flow(ABC):
         try:
             response = await answer
         except BaseException:
-            node.end(req.tokens, ok=False)
+            node.end(req.tokens, ok=False, stream=req.stream)
             raise
         self.split_stages(response, req.timing)
         read_node_report(response, req.timing)
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
-            node.end(req.tokens, ok=False)
+            node.end(req.tokens, ok=False, stream=req.stream)
             raise NodeError(response.status_code, content, node.url)
         if not req.body.get("stream"):
             try:
                 content = await response.aread()
             except httpx.HTTPError as exc:  # nothing reached the client: another node may answer
-                node.end(req.tokens, ok=False)
+                node.end(req.tokens, ok=False, stream=req.stream)
                 raise unreachable(node, exc) from exc
             finally:
                 await response.aclose()
-            node.end(req.tokens)
+            node.end(req.tokens, stream=req.stream)
             req.timing.done = time.perf_counter()
             self.metrics.observe(req.timing)
             if req.prompt_part is not None:
@@ -260,7 +261,7 @@ class Flow(ABC):
     async def give_up(self, node: Node, answer: asyncio.Future, req: ClientRequest) -> None:
         """Drop an answer that will not be relayed (closing it aborts the request on the node)."""
         await discard(answer)
-        node.end(req.tokens, ok=False)
+        node.end(req.tokens, ok=False, stream=req.stream)
 
     async def _relay(self, response: httpx.Response, node: Node, req: ClientRequest) -> AsyncIterator[bytes]:
         """The node's SSE bytes, passed on as they come; closing either side closes the other. If the
@@ -279,6 +280,8 @@ class Flow(ABC):
                     now = time.perf_counter()
                     if timing.first_byte is None:
                         timing.first_byte = now
+                        if req.stream is not None:  # its node's turn is under way (placement.turn_ends)
+                            req.stream.first_token_at = time.monotonic()
                     else:
                         gap = now - timing.last_byte
                         timing.gaps.append(gap)
@@ -307,5 +310,5 @@ class Flow(ABC):
                 timing.done = timing.last_byte
                 self.metrics.observe(timing)
             await response.aclose()
-            node.end(req.tokens, ok)
+            node.end(req.tokens, ok, stream=req.stream)
             node.streams_past_itl -= timing.past_itl
