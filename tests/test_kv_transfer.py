@@ -17,7 +17,7 @@ from pdserve.kv.channel import AuthError, client_handshake
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.leases import Lease, LeaseRenewer
-from pdserve.kv.pool import KVPool
+from pdserve.kv.pool import POOL_OFFSET, KVPool
 from pdserve.kv.protocol import PullRequest, recv_msg, send_msg
 from pdserve.kv.pull import KVReceiver, KVSender, LoadSpec
 from pdserve.kv.stats import KVStats
@@ -166,6 +166,23 @@ def test_a_pull_is_served_only_for_the_prompt_and_engine_the_kv_is_of(proof, mes
         assert local.tensor.abs().sum() == 0
         assert held.num_blocks == 4 and held.pop_releasable() == []
     pool.close()
+
+
+def test_a_shared_pool_sits_off_a_page_boundary_as_a_private_one_and_a_peer_maps_it_there():
+    """A shared pool's tensor starts POOL_OFFSET bytes into its mapping, 64 past a page boundary as
+    torch puts a private pool (page-aligned, decode at a 2048-token context ran x1.13 slower on an
+    AMD EPYC: docs/benchmarks.md). A peer or TP rank that attaches it by name sees the same bytes."""
+    pool = KVPool(SHAPE, torch.bfloat16, "cpu", shared=True)
+    try:
+        assert POOL_OFFSET == 64 and pool.tensor.data_ptr() % 4096 == POOL_OFFSET
+        pool.tensor.copy_(torch.randn(SHAPE).to(torch.bfloat16))
+        peer = KVPool(SHAPE, torch.bfloat16, "cpu", shm_name=pool.shm_name)
+        assert peer.tensor.data_ptr() % 4096 == POOL_OFFSET and torch.equal(peer.tensor, pool.tensor)
+        peer.tensor[0, 0, 1].fill_(1.0)  # one mapping: a write through either is seen by the other
+        assert torch.equal(pool.tensor[0, 0, 1], peer.tensor[0, 0, 1])
+        peer.close()
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("transport", every_transport())

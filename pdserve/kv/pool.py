@@ -26,6 +26,10 @@ from pdserve.procinfo import pool_name, remove_dead_pools
 from pdserve.models.kv_spec import KVCacheSpec, first_needed_block, kv_groups
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+# Where a shared pool's tensor starts in its mapping. Page-aligned, decode at a 2048-token context
+# stepped x1.13 slower on an AMD EPYC (Zen 5) than with the pool 64 bytes past a page boundary, where
+# torch's allocator puts a private one (docs/benchmarks.md, session 53): so shared pools sit there too.
+POOL_OFFSET = 64
 
 
 def prefault(mapping: mmap.mmap) -> None:
@@ -83,14 +87,16 @@ class KVPool:
             # A fresh shared-memory file is zero-filled, like torch.zeros below. Pools a killed node
             # left behind go first (nothing else would ever free them).
             remove_dead_pools()
-            self.shm = shared_memory.SharedMemory(create=True, size=nbytes,
+            self.shm = shared_memory.SharedMemory(create=True, size=POOL_OFFSET + nbytes,
                                                   name=pool_name(os.getpid(), uuid.uuid4().hex[:16]))
             self._mapping, self._shm_name = self.shm._mmap, self.shm.name  # noqa: SLF001
         if self._mapping is not None:
-            if len(self._mapping) < nbytes:
-                raise ValueError(f"shared KV pool {shm_name} holds {len(self._mapping)} bytes, not {nbytes}")
+            if len(self._mapping) < POOL_OFFSET + nbytes:
+                raise ValueError(f"shared KV pool {shm_name} holds {len(self._mapping)} bytes, not "
+                                 f"{POOL_OFFSET + nbytes}")
             prefault(self._mapping)
-            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes,
+                                           offset=POOL_OFFSET).view(dtype).view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers, self.num_planes, self.num_blocks, self.block_size, self.num_kv_heads = shape[:5]
