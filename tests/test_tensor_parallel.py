@@ -2,12 +2,14 @@
 with its slices of the model and the KV pool. Greedy float32 output equals TP 1's token for token:
 SmolLM2 (9 heads, 3 KV heads) at TP 3, which splits both; a seeded random Llama (8 heads, 2 KV heads,
 every bias) at TP 2 and TP 4, where each KV head is replicated on two ranks. A rank that dies makes
-its node unhealthy and fails what it was doing; nothing hangs."""
+its node unhealthy and fails what it was doing; nothing hangs, and the ranks met on loopback, leaving
+no file behind."""
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 
 import httpx
@@ -59,10 +61,14 @@ def test_a_tp_size_that_does_not_split_the_model_is_refused():
 
 
 def test_a_dead_rank_makes_the_node_unhealthy_and_nothing_hangs(tmp_path):
+    temp_files = set(os.listdir(tempfile.gettempdir()))
     node = start_pdserve(["serve", "--tensor-parallel-size", "3", *NODE], tmp_path, "node")
     try:
         ask = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
         assert httpx.post(node.url + "/v1/completions", json=ask, timeout=60).status_code == 200
+        # The ranks' rendezvous (a TCP store) listens on loopback only, as the node's HTTP server does.
+        listening = listening_addresses(node.proc.pid)
+        assert len(listening) >= 2 and set(listening) <= LOOPBACK, listening
         ranks = [pid for pid in children(node.proc.pid) if "spawn_main" in cmdline(pid)]
         assert len(ranks) == 2, ranks  # ranks 1 and 2
         os.kill(ranks[-1], signal.SIGKILL)
@@ -74,6 +80,32 @@ def test_a_dead_rank_makes_the_node_unhealthy_and_nothing_hangs(tmp_path):
         assert failed.status_code >= 500, failed.text
     finally:
         node.stop()
+    left = {name for name in set(os.listdir(tempfile.gettempdir())) - temp_files if name.startswith("pdserve")}
+    assert not left, f"the node left {left} in the temp dir"
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets the process listens on, as /proc/net/tcp{,6} writes them."""
+    fd_dir = f"/proc/{pid}/fd"
+    inodes = set()
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.append(fields[1].split(":")[0])
+    return found
 
 
 def cmdline(pid: int) -> str:

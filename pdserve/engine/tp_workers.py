@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import tempfile
+import socket
 from dataclasses import replace
 from datetime import timedelta
 
@@ -42,12 +42,15 @@ class TPWorkers:
 
     def __init__(self, spec: RankSpec, size: int) -> None:
         self.size = size
-        self._store = tempfile.NamedTemporaryFile(prefix="pdserve-tp-", delete=False).name
-        os.unlink(self._store)  # the file store creates it
-        init = f"file://{self._store}"
+        # The group meets at a TCP store on loopback, not a file: a file store outlives a node that is
+        # killed. Torch's own listener binds every interface, so it is handed (and owns) a socket bound here.
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.detach(), timeout=timedelta(seconds=TIMEOUT_S))
         context = multiprocessing.get_context("spawn")
         started = [context.Event() for _ in range(1, size)]
-        self.procs = [context.Process(target=_rank_main, args=(spec, rank, size, init, started[rank - 1]),
+        self.procs = [context.Process(target=_rank_main, args=(spec, rank, size, port, started[rank - 1]),
                                       name=f"pdserve-tp-{rank}", daemon=True) for rank in range(1, size)]
         for proc in self.procs:
             proc.start()
@@ -55,7 +58,7 @@ class TPWorkers:
         # rendezvous that waits for it until the timeout.
         while not all(event.wait(0.1) for event in started):
             self.check_alive()
-        dist.init_process_group(backend(spec.device), init_method=init, rank=0, world_size=size,
+        dist.init_process_group(backend(spec.device), store=store, rank=0, world_size=size,
                                 timeout=timedelta(seconds=TIMEOUT_S))
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> None:
@@ -81,11 +84,9 @@ class TPWorkers:
             if proc.is_alive():
                 proc.kill()
         dist.destroy_process_group()
-        if os.path.exists(self._store):
-            os.unlink(self._store)
 
 
-def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None:
+def _rank_main(spec: RankSpec, rank: int, size: int, port: int, started) -> None:
     """A rank's process: its slices of the model and the pool, then every broadcast step."""
     from pdserve.kv.pool import KVPool
     from pdserve.models.loader import kv_cache_spec
@@ -94,7 +95,8 @@ def _rank_main(spec: RankSpec, rank: int, size: int, init: str, started) -> None
 
     load_plugins()  # a spawned rank runs no CLI: a plugin's model family must be registered here too
     started.set()
-    dist.init_process_group(backend(spec.device), init_method=init, rank=rank, world_size=size,
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(backend(spec.device), store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=TIMEOUT_S))
     tp = TensorParallel(rank, size)
     model, kernel, prefill_kernel = set_up_rank(spec, tp)
