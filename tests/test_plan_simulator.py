@@ -14,6 +14,7 @@ from helpers import make_request
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.prefix_hash import block_hashes
+from pdserve.plan.corun import RELAY_STREAMS
 from pdserve.plan.fit import LinearFit
 from pdserve.plan.profile import Profile
 from pdserve.plan.sim import Batching, Job, Setup, SimNode, Simulation, Tracker, simulate
@@ -196,39 +197,56 @@ def test_the_simulated_proxy_measures_each_nodes_decode_speed_as_the_health_poll
     assert all(1.2 < speed <= 2.0 for speed in together["decode_speeds"].values()), together["decode_speeds"]
 
 
-def test_on_one_host_a_prefill_runs_the_relay_factor_slower_while_a_stream_is_under_way():
-    """Relay factor x1.2, no co-run slow-down. A (100 -> 5) prefills alone from 0: 110 ms. B (100 ->
-    2) arrives on the other node at 0.12 s, while A streams: its prefill runs x1.2. C arrives on
-    A's node once both are done: alone again. Not on one host: never."""
+def test_on_one_host_a_prefill_runs_slower_by_the_streams_other_nodes_have_under_way():
+    """Relay factor x1.3 measured at RELAY_STREAMS (3) streams, no co-run slow-down. k requests
+    (100 -> 5) arrive on N0 at 0 and stream; B (100 -> 2) arrives on N1 once all k do: its prefill
+    runs 1 + 0.3 * min(k / 3, 1) slower. C arrives on N0 once all are done: alone again. Not on one
+    host: never."""
+    assert RELAY_STREAMS == 3
     profile = known_profile()
-    profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.2}
-    for one_host, factor in ((True, 1.2), (False, 1.0)):
+    profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.3}
+    for one_host in (True, False):
+        for k, b_arrives in ((1, 0.12), (3, 0.37), (4, 0.48)):
+            sim = Simulation(profile, one_host=one_host)
+            batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
+            first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
+            streams = [Tracker(BenchRequest([0], 100, 5), 0.0) for _ in range(k)]
+            b, c = Tracker(BenchRequest([0], 100, 2), b_arrives), Tracker(BenchRequest([0], 100, 2), 2.0)
+            for i, tracker in enumerate(streams):
+                sim.at(0.0, lambda i=i, tracker=tracker: first.submit(Job(i, 100, 5, tracker, lambda t: None)))
+            sim.at(b_arrives, lambda: second.submit(Job(10, 100, 2, b, lambda t: None)))
+            sim.at(2.0, lambda: first.submit(Job(11, 100, 2, c, lambda t: None)))
+            sim.run()
+            for stream in streams:  # under way when B arrives
+                result = stream.result()
+                assert result.ttft_ms < b_arrives * 1e3 < result.ttft_ms + sum(result.itls_ms), (k, result)
+            factor = 1 + 0.3 * min(k / 3, 1.0) if one_host else 1.0
+            assert b.result().ttft_ms == pytest.approx(factor * 110.0), (one_host, k)
+            assert c.result().ttft_ms == pytest.approx(110.0)
+
+
+def test_on_one_host_a_decode_step_runs_slower_by_the_streams_of_another_node_that_computes():
+    """Decode relay factor x2 measured at 3 streams, no other slow-down. A (100 -> 12) computes
+    alone from 0; B (100 -> 3) arrives on the other node at 0.12 s. While B prefills it computes
+    but has no stream: A's steps run x1. Once B streams (its first token at 0.23 s) each node's
+    steps run x(1 + 1/3) while the other streams, until B is done. Not on one host: never."""
+    profile = known_profile()
+    profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 2.0}
+    step = [(0.025 + kv * 1e-5) * 1e3 for kv in range(101, 112)]  # one sequence's decode step at 101.. KV tokens
+    for one_host in (True, False):
         sim = Simulation(profile, one_host=one_host)
         batching = Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000)
         first, second = SimNode(sim, "N0", batching), SimNode(sim, "N1", batching)
-        a, b = Tracker(BenchRequest([0], 100, 5), 0.0), Tracker(BenchRequest([0], 100, 2), 0.12)
-        c = Tracker(BenchRequest([0], 100, 2), 1.0)
-        sim.at(0.0, lambda: first.submit(Job(0, 100, 5, a, lambda t: None)))
-        sim.at(0.12, lambda: second.submit(Job(1, 100, 2, b, lambda t: None)))
-        sim.at(1.0, lambda: first.submit(Job(2, 100, 2, c, lambda t: None)))
+        a, b = Tracker(BenchRequest([0], 100, 12), 0.0), Tracker(BenchRequest([0], 100, 3), 0.12)
+        sim.at(0.0, lambda: first.submit(Job(0, 100, 12, a, lambda t: None)))
+        sim.at(0.12, lambda: second.submit(Job(1, 100, 3, b, lambda t: None)))
         sim.run()
-        assert a.result().ttft_ms == pytest.approx(110.0) and c.result().ttft_ms == pytest.approx(110.0)
-        assert b.result().ttft_ms == pytest.approx(factor * 110.0)
-
-
-def test_on_one_host_a_decode_step_runs_the_decode_relay_factor_slower_while_another_node_computes():
-    """Decode relay factor x2, no other slow-down. A (100 -> 3) computes alone from 0; B (100 -> 6)
-    arrives on the other node at 0.12 s, in A's first decode step: A's run is cut at that step and
-    its next step, beside B's prefill, runs x2 (the relay of A's stream finds no idle core). B's
-    prefill is not slowed (prefill's relay x1), nor B's steps once A is done. Not on one host: never."""
-    profile = known_profile()
-    profile.corun = {"prefill": 1.0, "decode": 1.0, "relay": 1.0, "relay_decode": 2.0}
-    step = [0.025 + kv * 1e-5 for kv in range(101, 106)]  # one sequence's decode step at 101.. KV tokens
-    for one_host, factor in ((True, 2.0), (False, 1.0)):
-        a, b = a_then_b_on_two_nodes(profile, one_host)
-        assert a.result().itls_ms == pytest.approx([step[0] * 1e3, factor * step[1] * 1e3])
-        assert b.result().ttft_ms == pytest.approx(110.0)
-        assert b.result().itls_ms == pytest.approx([x * 1e3 for x in step])
+        assert a.result().ttft_ms == pytest.approx(110.0) and b.result().ttft_ms == pytest.approx(110.0)
+        factor = 4 / 3 if one_host else 1.0
+        assert b.result().itls_ms == pytest.approx([factor * x for x in step[:2]])
+        # A's steps 6 and 7 (from 0.240 s and 0.275 s) begin once B streams (0.230 s), before it is done (0.299 s).
+        slowed = [factor if i in (5, 6) else 1.0 for i in range(11)]
+        assert a.result().itls_ms == pytest.approx([f * x for f, x in zip(slowed, step)])
 
 
 def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed():

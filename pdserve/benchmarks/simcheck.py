@@ -51,6 +51,7 @@ from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
 from pdserve.benchmarks.study import Setup as StudySetup
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.plan.corun import RELAY_STREAMS
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
 from pdserve.plan.sim import Setup, simulate
 from pdserve.platform import plan_kernels
@@ -326,10 +327,11 @@ def corun_note(res: dict) -> str:
     note = (f". Every node on its own core of this host: a step ran x{corun['prefill']:.2f} (prefill) and "
             f"x{corun['decode']:.2f} (decode) slower while another node computed (the profile's co-run factors)")
     if "relay" in corun:
-        note += f"; a prefill x{corun['relay']:.2f} while a stream was under way"
+        note += f"; a prefill x{corun['relay']:.2f}"
         if "relay_decode" in corun:
-            note += f", a decode step x{corun['relay_decode']:.2f} while another node computed"
-        note += " (the relay factors: the proxy relaying streams on the nodes' cores)"
+            note += f" and a decode step x{corun['relay_decode']:.2f} (while another node computed)"
+        note += (f" while other nodes had {RELAY_STREAMS} streams or more under way, in proportion below that "
+                 "(the relay factors: the proxy relaying their tokens on the node's core)")
     handoff = profile.get("serving", {}).get("pull_handoff_s")
     if handoff is not None:
         note += f"; a pull's served handoff {handoff * 1e3:.1f} ms on top of its bytes' transfer"

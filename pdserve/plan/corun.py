@@ -10,10 +10,11 @@ simcheck's low TPOT there (docs/benchmarks.md).
 
 The engines are not all that shares the host: the proxy (and a client) run wherever the OS puts
 them and are woken at every streamed token. relay_samples times a pinned node's prefill while
-another node's streams are relayed that way, and its decode steps too; the simulator applies the
-prefill's ratio to prefills while a stream is under way, the decode step's to decode steps while
-another node computes (no core is left idle for the relay), and the proxy's own hop to every
-request.
+another node's streams are relayed that way, and its decode steps too. The simulator applies each
+ratio in proportion to the streams other nodes have under way, up to the RELAY_STREAMS it was
+measured at (the decode step's only while another node computes: no core is left idle for the
+relay), and the proxy's own hop to every request. In proportion, because a flat factor over-priced
+colocated nodes, whose prefill stalls their own streams (simcheck: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def pinned(core: int) -> Iterator[None]:
 # -- what the host's relaying of streams costs a pinned node's prefill ---------------------------
 
 RELAY_PROMPT, RELAY_STREAM_TOKENS, RELAY_DECODE_TOKENS = 128, 200, 64
+RELAY_STREAMS = 3  # the streams relayed while A is timed: the simulator scales the factors by streams under way
 
 
 def stream_load(url: str, cores: set[int], streams: int, stop, tokens) -> None:
@@ -150,7 +152,7 @@ def decode_steps(url: str, n: int, seed: int) -> list[float]:
 
 
 def timed_beside(url: str, n: int, seed: int, load_url: str | None = None, load_cores: set[int] | None = None,
-                 streams: int = 3, measure: Callable[[str, int, int], list[float]] = prefills) -> dict:
+                 streams: int = RELAY_STREAMS, measure: Callable[[str, int, int], list[float]] = prefills) -> dict:
     """`measure` (`prefills`, or `decode_steps`) of the node at `url` while a client on
     `load_cores` streams from `load_url` (None: no load)."""
     context = multiprocessing.get_context("spawn")
@@ -186,7 +188,7 @@ def answer_hops_ms(url: str, n: int, seed: int) -> list[float]:
     return [seconds * 1e3 - engine_ms(h) for seconds, h in one_token_answers(url, n, seed)]
 
 
-def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int = 12, streams: int = 3,
+def relay_samples(engine_args: list[str], cores: tuple[int, int], prompts: int = 12, streams: int = RELAY_STREAMS,
                   decodes: int = 6, rounds: int = 3) -> dict:
     """As `pdserve up` runs a host: node A pinned to the first core, node B to the second, a proxy
     in front of B on both (the OS places it). The proxy's own hop (one-token answers through it minus

@@ -58,9 +58,8 @@ class Simulation:
         # Every node on one core of one host (as `pdserve up` starts them): a step runs the
         # profile's co-run factors slower while another node computes (plan/corun.py).
         self.corun = (profile.corun["prefill"], profile.corun["decode"]) if one_host else None
-        # ... and a prefill runs the profile's relay factor slower while a stream is under way: the
-        # proxy relaying it is woken on the node's core at every token. A decode step does while
-        # another node computes: with a core idle, the relay runs there.
+        # ... and the profile's relay factors while other nodes stream (SimNode._corun): the proxy
+        # relaying their tokens is woken on this node's core.
         self.relay = profile.corun.get("relay", 1.0) if one_host else 1.0
         self.relay_decode = profile.corun.get("relay_decode", 1.0) if one_host else 1.0
         self.nodes: list = []  # the SimNodes, which tell each other when they start and stop computing

@@ -20,6 +20,7 @@ from pdserve.kv.connector import ConnectorMetadata, FinishedTransfers, KVConnect
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferResult
 from pdserve.kv.params import KVTransferParams
+from pdserve.plan.corun import RELAY_STREAMS
 from pdserve.plan.sim.events import Costs, Simulation
 from pdserve.plan.sim.setup import Batching
 from pdserve.plan.sim.tracker import Tracker
@@ -109,6 +110,7 @@ class SimNode:
     costs: Costs | None = None  # its step costs (None: the simulation's, the profile's threads)
     busy: bool = False
     active: bool = False  # computing step after step (busy between steps too): others on its host slow down
+    streams: int = 0  # running requests past their first token, as last told to the host (its relay slows others)
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
     preemptions: int = 0
@@ -173,6 +175,7 @@ class SimNode:
         outputs = self.scheduler.update_kv_transfers(FinishedTransfers(received=[result]))
         self._tokens(outputs, self.sim.now)  # D starts from P's first token, which the client gets now
         self._done(outputs, self.sim.now)
+        self._count_streams()
 
     def release(self, job: Job) -> None:
         """P: D has pulled a held prompt's KV, so its blocks are freed (as the connector's worker
@@ -294,6 +297,7 @@ class SimNode:
         if not self.busy and self.active:  # out of work: the host's other nodes speed up
             self.active = False
             self._tell_host()
+        self._count_streams()
 
     def _done(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
@@ -303,22 +307,32 @@ class SimNode:
                 job.on_done(now)
 
     def _corun(self) -> tuple[float, float]:
-        """(prefill, decode) slow-down of a step starting now on one host (Simulation(one_host=True)):
-        prefill's relay factor while a stream is under way (a running request past its first token
-        on any node); while another node computes, the co-run factors, and decode's relay factor (a
-        decoding node streams, and the relay finds no idle core)."""
+        """(prefill, decode) slow-down of a step starting now on one host (Simulation(one_host=True)).
+        The relay factors grow with the streams other nodes have under way (running requests past
+        their first token), up to the RELAY_STREAMS the profile measured them at: the proxy is woken
+        at each of their tokens. This node's own streams do not count: they wait for its step. While
+        another node computes, the co-run factors too, and decode's relay factor (no idle core is left
+        for the relay)."""
         corun = self.sim.corun
         if corun is None:
             return 1.0, 1.0
-        streaming = self.sim.relay != 1.0 and any(r.num_output_tokens for n in self.sim.nodes
-                                                  for r in n.scheduler.running)
-        relay = self.sim.relay if streaming else 1.0
+        share = min(sum(n.streams for n in self.sim.nodes if n is not self) / RELAY_STREAMS, 1.0)
+        relay = 1 + (self.sim.relay - 1) * share
         if not any(n.active for n in self.sim.nodes if n is not self):
             return relay, 1.0
-        return corun[0] * relay, corun[1] * self.sim.relay_decode
+        return corun[0] * relay, corun[1] * (1 + (self.sim.relay_decode - 1) * share)
+
+    def _count_streams(self) -> None:
+        """On one host: a stream started or ended here, so the other nodes' relay factors change
+        (their decode runs end with the step in progress)."""
+        if self.sim.corun is not None:
+            streams = sum(1 for r in self.scheduler.running if r.num_output_tokens)
+            if streams != self.streams:
+                self.streams = streams
+                self._tell_host()
 
     def _tell_host(self) -> None:
-        """This node started or stopped computing: the host's other nodes end their decode runs
+        """This node started or stopped computing or streaming: the host's other nodes end their decode runs
         with the step in progress, and cost the next ones at their new speed."""
         if self.sim.corun is not None:
             for node in self.sim.nodes:
