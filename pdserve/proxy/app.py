@@ -315,8 +315,7 @@ def _predicted(node: Node) -> dict[str, float]:
 def _streams(node: Node) -> dict[str, int]:
     """Auto mode: the requests placed on the node to decode, streaming (a first token relayed) or
     waiting (queued, prefilling, or their KV on its way): what a node taking turns is priced by."""
-    streaming = sum(s.first_token_at is not None for s in node.streams)
-    return {"streaming": streaming, "waiting": len(node.streams) - streaming}
+    return {"streaming": len(node.streaming), "waiting": len(node.waiting)}
 
 
 def _describe(node: Node, cache: NodeCache | None = None) -> dict:

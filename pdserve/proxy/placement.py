@@ -167,7 +167,7 @@ def turn_ends(node: Node, now: float, costs: CostModel) -> float:
     the proxy sees (Node.streams), not chained from predictions: a chain grew by every placement
     until the node went idle, so a node that had drained to one stream still looked busy for tens
     of seconds and its requests went to the other node, whose batches grew past the TPOT SLO."""
-    streaming = [s for s in node.streams if s.first_token_at is not None]
+    streaming = node.streaming
     turn = streaming or node.streams
     if not turn:
         return now
@@ -180,9 +180,7 @@ def turn_ends(node: Node, now: float, costs: CostModel) -> float:
 def next_turn(node: Node) -> list[Stream]:
     """The streams a prompt placed now on a node taking turns would decode beside: the prompts
     waiting for the streams under way to end (none under way: the waiting ones decode before it)."""
-    if any(s.first_token_at is not None for s in node.streams):
-        return [s for s in node.streams if s.first_token_at is None]
-    return []
+    return node.waiting if node.streaming else []
 
 
 def streams_stalled(node: Node) -> int:

@@ -72,6 +72,16 @@ class Node:
         """Its streams once the requests placed here have arrived."""
         return self.active_requests + self.reserved_requests
 
+    @property
+    def streaming(self) -> list[Stream]:
+        """Its streams whose first token the proxy has relayed."""
+        return [s for s in self.streams if s.first_token_at is not None]
+
+    @property
+    def waiting(self) -> list[Stream]:
+        """Its streams not yet streaming: queued, prefilling, or their KV on its way."""
+        return [s for s in self.streams if s.first_token_at is None]
+
     def drop(self, stream: Stream) -> None:
         """The request no longer holds a turn here (ended, or never reached the node)."""
         if stream in self.streams:
