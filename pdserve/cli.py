@@ -386,7 +386,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def plan_shape(args: argparse.Namespace, profile, slos: dict[str, float]) -> int:
-    """`pdserve plan --nodes N`: each shape of N nodes simulated at --rate, and the one auto runs as."""
+    """`pdserve plan --nodes N`: each shape of N nodes simulated at --rate with auto placing over it,
+    and the one auto runs as."""
     import json
     from pathlib import Path
 
@@ -394,7 +395,8 @@ def plan_shape(args: argparse.Namespace, profile, slos: dict[str, float]) -> int
     from pdserve.workload import requests_from_args
 
     pick = pick_shape(profile, requests_from_args(args), slos, args.nodes, [args.rate])
-    print(f"{args.nodes} nodes at {args.rate:g} req/s, {' '.join(args.goodput)} (profile {args.profile}):")
+    print(f"{args.nodes} nodes at {args.rate:g} req/s, {' '.join(args.goodput)} (profile {args.profile}), "
+          "auto placing each request over each shape:")
     for setup, (goodput,) in sorted(pick.goodput.items(), key=lambda kv: -kv[1][0]):
         print(f"  {setup:34s} goodput {goodput:.3f} req/s ({goodput / args.rate * 100:.1f} % meet the SLOs)")
     print(f"run as {pick.setup} ({pick.family.name}): " + ("disaggregate" if pick.disaggregated else

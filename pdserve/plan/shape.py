@@ -7,13 +7,18 @@ keeping one node free of streams, which no single request's price shows (docs/be
 shape of N nodes serves the workload best, then places each request within that shape:
 
 - the candidates are the planner's colocated families and its pull units x:y that divide N
-  (auto's remote prefill is a pull), each simulated as the whole N-node cluster (whole_cluster);
+  (auto's remote prefill is a pull), each simulated as the whole N-node cluster (whole_cluster)
+  with auto placing each request over it (as_auto): kv_both nodes batching as the family does, or
+  its P and D nodes. Priced as static setups instead, the pick lost to the static setups where
+  auto's placement changes which batching pays (docs/benchmarks.md, session 55: at 64 nodes,
+  summarize under TTFT + ITL, plain kv_both nodes won as colocated nodes and lost as auto, 0.85
+  against 1.36 req/s of goodput for nodes taking turns);
 - the load is the workload (`--workload`, default chat; REQUESTS of it, more for many nodes) at
   the rates given (`--rate`), or, without one, at RATE_FRACTIONS of what N idle nodes could serve
   one request at a time (light to saturating), summed over the rates;
-- the first candidate in the planner's order (colocated with chunked prefill, without, capped, then
-  the pull ratios) whose goodput is within `margin` of the best wins: a colocated shape keeps
-  every colocated choice (auto over kv_both nodes), so PD must beat it by more than the margin;
+- the best kv_both shape wins (the first in the planner's order on a tie: chunked prefill, without,
+  capped) unless a P/D shape beats it by more than `margin`: kv_both nodes keep every colocated
+  choice, so PD must pay for giving them up;
 - a P/D winner's per-role settings are tried next (the planner's role_variants: P's token budget,
   D's most streams), one at a time; the best replaces the node's own where it gains ROLE_MARGIN.
 """
@@ -21,7 +26,7 @@ shape of N nodes serves the workload best, then places each request within that 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.plan.planner import Family, check_nodes, check_rate, families, role_variants
 from pdserve.plan.profile import Profile
@@ -40,7 +45,7 @@ class ShapePick:
     family: Family
     units: int
     rates: list[float]
-    goodput: dict[str, list[float]] = field(default_factory=dict)  # setup -> simulated goodput per rate
+    goodput: dict[str, list[float]] = field(default_factory=dict)  # setup -> auto's simulated goodput per rate
 
     @property
     def setup(self) -> str:
@@ -54,7 +59,7 @@ class ShapePick:
         rows = ", ".join(f"{setup} {sum(g):.3f}" for setup, g in
                          sorted(self.goodput.items(), key=lambda kv: -sum(kv[1])))
         rates = ", ".join(f"{r:.3g}" for r in self.rates)
-        return f"{self.setup} ({self.family.name}); simulated goodput summed over {rates} req/s: {rows}"
+        return f"{self.setup} ({self.family.name}); auto's simulated goodput summed over {rates} req/s: {rows}"
 
 
 def idle_rate(profile: Profile, requests: list[BenchRequest], nodes: int) -> float:
@@ -79,9 +84,15 @@ def whole_cluster(family: Family, nodes: int) -> Setup:
     return family.cluster(nodes // family.unit_nodes)
 
 
+def as_auto(family: Family) -> Family:
+    """The shape with auto placing each request over it: its kv_both (colocated) or P and D nodes."""
+    return replace(family, mode="auto")
+
+
 def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, float], nodes: int,
                rates: list[float] | None = None, margin: float = MARGIN, seed: int = 0) -> ShapePick:
-    """The shape auto should run as at `nodes` nodes (see the module's docstring)."""
+    """The shape auto should run as at `nodes` nodes (see the module's docstring); its goodput is
+    auto's over each shape."""
     check_nodes(nodes)
     for rate in rates or []:
         check_rate(rate)
@@ -90,13 +101,19 @@ def pick_shape(profile: Profile, requests: list[BenchRequest], slos: dict[str, f
     rates = rates or [f * idle_rate(profile, requests, nodes) for f in RATE_FRACTIONS]
 
     def goodputs(family: Family) -> list[float]:
-        return [rate * simulate(profile, whole_cluster(family, nodes), requests, rate, 1.0, seed, slos,
+        return [rate * simulate(profile, whole_cluster(as_auto(family), nodes), requests, rate, 1.0, seed, slos,
                                 chunked_prefill=family.chunked, itls=False,
                                 prefill_cap=family.prefill_cap)["slo_attainment"] for rate in rates]
 
     goodput = {family: goodputs(family) for family in candidates(profile, slos, nodes)}
-    top = max(sum(g) for g in goodput.values())
-    best = next(f for f, g in goodput.items() if (1 + margin) * sum(g) >= top)  # dicts keep the planner's order
+
+    def top(shapes: list[Family]) -> Family | None:
+        return max(shapes, key=lambda f: sum(goodput[f]), default=None)  # the first of equals: the planner's order
+
+    best = top([f for f in goodput if f.mode == "colocated"])
+    pd = top([f for f in goodput if f.mode != "colocated"])
+    if best is None or (pd is not None and sum(goodput[pd]) > (1 + margin) * sum(goodput[best])):
+        best = pd
     variants = role_variants(best)
     goodput.update({family: goodputs(family) for family in variants})
     tuned = max(variants, key=lambda f: sum(goodput[f]), default=best)
