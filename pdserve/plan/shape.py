@@ -9,10 +9,10 @@ shape of N nodes serves the workload best, then places each request within that 
 - the candidates are the planner's colocated families and its pull units x:y that divide N
   (auto's remote prefill is a pull), each simulated as the whole N-node cluster (whole_cluster)
   with auto placing each request over it (as_auto): kv_both nodes batching as the family does, or
-  its P and D nodes. Priced as static setups instead, the pick lost to the static setups where
-  auto's placement changes which batching pays (docs/benchmarks.md, session 55: at 64 nodes,
-  summarize under TTFT + ITL, plain kv_both nodes won as colocated nodes and lost as auto, 0.85
-  against 1.36 req/s of goodput for nodes taking turns);
+  its P and D nodes. Priced as static setups instead, the pick missed where auto's placement
+  changes which batching pays (docs/benchmarks.md, session 55: at 64 nodes, summarize under TTFT +
+  ITL, plain kv_both nodes came within the margin as static nodes and were picked; auto over them
+  served 0.85 req/s at the win map's top rate, static nodes taking turns 1.36, auto over those 1.80);
 - the load is the workload (`--workload`, default chat; REQUESTS of it, more for many nodes) at
   the rates given (`--rate`), or, without one, at RATE_FRACTIONS of what N idle nodes could serve
   one request at a time (light to saturating), summed over the rates;
