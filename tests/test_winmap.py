@@ -7,8 +7,9 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.study import sweep_workload
-from pdserve.benchmarks.winmap import (auto_shapes, cell, defaults, kind_families, markdown, measured_map, open_entry,
-                                      planner_agreement, plot, simulated_map, slo_sets)
+from pdserve.benchmarks.winmap import (auto_at_rate_map, auto_shapes, cell, defaults, kind_families, markdown,
+                                      measured_map, open_entry, planner_agreement, plot, simulated_auto_over_static,
+                                      simulated_map, slo_sets)
 from pdserve.plan.shape import shape_for
 from pdserve.workload import GENERATE, SUMMARIZE
 
@@ -99,6 +100,39 @@ def test_the_simulated_map_prices_each_kind_at_n_nodes():
     assert shape.setup == "colocated:2" + cap and best["auto"][0] == "auto:2" + cap
     assert best["PD"][0] in ("pull:1P1D", "push:1P1D")
     assert all(0 <= goodput <= 0.5 for _, goodput in best.values())
+
+
+def test_auto_told_the_rate_runs_as_the_shape_picked_at_it():
+    """--auto-at-rate: auto as `pdserve up --mode auto --nodes 2 --rate R` starts, its shape picked at
+    the cell's rate (R = rate x N / 2) rather than over fractions of what idle nodes serve."""
+    res = {"seconds_per_rate": 20.0, "slo_sets": {"itl": {"max_itl_ms": 400.0}},
+           "workloads": {"chat": {"rates": [0.5, 2.0]}}}
+    cells = auto_at_rate_map(known_profile(), res, [2], 8)["2"]["chat"]["itl"]
+    # picked without the rate: nodes capping their prefill while decoding (the simulated map's test);
+    # at 2 req/s nodes taking turns serve more
+    assert [setup for setup, _ in cells] == ["auto:2 (--max-prefill-tokens-while-decoding 144)",
+                                            "auto:2 (--max-prefill-tokens-while-decoding 0)"]
+    assert shape_for(known_profile(), "chat", {"max_itl_ms": 400.0}, 2, [2.0]).family.prefill_cap == 0
+    assert all(0 <= goodput <= rate for rate, (_, goodput) in zip([0.5, 2.0], cells))
+
+
+def test_simulated_auto_is_compared_with_the_best_static_kind():
+    res = {"workloads": {"chat": {"rates": [0.5, 1.0, 2.0]}},
+           "simulated": {"2": {"chat": {"itl": [
+               {"colocated": ("colocated:2", 0.5), "PD": ("pull:1P1D", 0.4), "auto": ("auto:2", 0.5)},
+               {"colocated": ("colocated:2", 0.8), "PD": ("pull:1P1D", 1.0), "auto": ("auto:2", 0.9)},
+               {"colocated": ("colocated:2", 0.004), "PD": ("pull:1P1D", 0.0), "auto": ("auto:2", 0.001)}]}}},
+           "simulated_auto_at_rate": {"2": {"chat": {"itl": [("auto:2", 0.5), ("pull:1P1D", 1.1),
+                                                             ("auto:2", 0.0)]}}}}
+    # the third cell serves under 0.01 req/s either way: not compared
+    assert simulated_auto_over_static(res) == {"2": {"worst": (0.9, "chat", "itl", 1.0), "under": 1, "cells": 2}}
+    told = simulated_auto_over_static(res, at_rate=True)["2"]
+    assert told["worst"] == (1.0, "chat", "itl", 0.5) and (told["under"], told["cells"]) == (0, 2)
+    text = markdown({**res, "map": {}, "slo_sets": {"itl": {}}, "runs": 1, "min_prompts": 1, "date": "d",
+                     "cpu": "c", "dtype": "bfloat16", "slos_ms": {"ttft_ms": 1.0, "tpot_ms": 1.0, "max_itl_ms": 1.0}})
+    assert "its shape picked without the rate: 2 nodes worst 0.90x (chat, itl, 1 req/s a node pair), 1 of 2" in text
+    assert "told the rate (`--rate`): 2 nodes worst 1.00x (chat, itl, 0.5 req/s a node pair), 0 of 2" in text
+    assert "- chat, itl: auto:2 0.50; pull:1P1D 1.10; auto:2 0.00" in text
 
 
 def test_named_workloads_sweep_at_their_shapes():

@@ -4,6 +4,8 @@
         [--setups a b c d e] [--min-prompts 40] [--seconds-per-rate 60] [--nodes 2 8 64]
     python -m pdserve.benchmarks.winmap --from-json docs/results/winmap.json   # map, plot and docs again
     python -m pdserve.benchmarks.winmap --add-to docs/results/winmap.json --setups e   # auto again, same SLOs
+    python -m pdserve.benchmarks.winmap --from-json docs/results/winmap.json --nodes --auto-at-rate 2 8
+        # auto simulated again with its shape picked at each cell's rate, the rest kept
     python -m pdserve.benchmarks.winmap --add-to docs/results/winmap.json --setups g --runs 1 --append  # one run more
 
 Workloads are bench's named datasets (`chat` = mixed, `summarize` prefill-heavy, `generate`
@@ -28,7 +30,8 @@ A cell (workload, SLO set, rate) names the setup of most goodput (mean over --ru
 margin over the best setup of another kind (colocated: a, b, g; PD: c, d, f; auto: e), PD's best over
 colocated's best and auto over the best static setup, with the runs' spread as the noise. The
 simulated map (--nodes) prices the same cells at N nodes with the planner's families of each kind,
-each as the whole N-node cluster at rate x N / 2 (the profile's costs).
+each as the whole N-node cluster at rate x N / 2 (the profile's costs); --auto-at-rate N prices
+auto again at N nodes with its shape picked at each cell's rate, as `pdserve up --mode auto --rate`.
 
 Writes docs/results/winmap.json (every run's summary), winmap.png (one heatmap per SLO set) and
 the section `winmap` of docs/benchmarks.md.
@@ -152,18 +155,79 @@ def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: in
                 shape = shape_for(profile, workload, slos, n).family
                 cells = []
                 for i, rate in enumerate(entry["rates"]):
-                    scaled = rate * n / 2
-                    requests = sweep_workload(workload, i, scaled, res["seconds_per_rate"], min_prompts * n // 2)
+                    scaled, requests = cell_load(res, workload, i, n, min_prompts)
                     best = {}
                     for kind, fams in kind_families(profile, slos, shape).items():
-                        tried = [(f.setup(n // f.unit_nodes), scaled * simulate(
-                                    profile, whole_cluster(f, n), requests, scaled, 1.0, 0, slos,
-                                    chunked_prefill=f.chunked, itls=False, prefill_cap=f.prefill_cap)["slo_attainment"])
-                                 for f in fams if n % f.unit_nodes == 0]
+                        tried = [f for f in fams if n % f.unit_nodes == 0]
                         if tried:
-                            best[kind] = max(tried, key=lambda t: t[1])
+                            best[kind] = best_priced(profile, tried, n, requests, scaled, slos)
                     cells.append(best)
                 out[str(n)][workload][name] = cells
+    return out
+
+
+def cell_load(res: dict, workload: str, index: int, nodes: int, min_prompts: int) -> tuple[float, list]:
+    """A cell's load at `nodes` nodes: its rate x nodes / 2 (the map measures pairs), and its requests."""
+    scaled = res["workloads"][workload]["rates"][index] * nodes / 2
+    return scaled, sweep_workload(workload, index, scaled, res["seconds_per_rate"], min_prompts * nodes // 2)
+
+
+def best_priced(profile: Profile, fams: list[Family], nodes: int, requests: list, rate: float,
+                slos: dict[str, float]) -> tuple[str, float]:
+    """The family of most simulated goodput as the whole `nodes`-node cluster: (its setup, goodput)."""
+    tried = [(f.setup(nodes // f.unit_nodes), rate * simulate(
+                profile, whole_cluster(f, nodes), requests, rate, 1.0, 0, slos, chunked_prefill=f.chunked,
+                itls=False, prefill_cap=f.prefill_cap)["slo_attainment"]) for f in fams]
+    return max(tried, key=lambda t: t[1])
+
+
+def auto_at_rate_map(profile: Profile, res: dict, nodes: list[int], min_prompts: int) -> dict:
+    """{N: {workload: {slo set: [(setup, goodput) per rate]}}}: auto as `pdserve up --mode auto
+    --nodes N --rate R` runs it, its shape picked at the cell's own rate (R = rate x N / 2) instead
+    of over fractions of what N idle nodes serve (plan/shape.py's RATE_FRACTIONS), which cannot
+    know which side of a crossing between shapes the user's load falls on."""
+    out: dict = {}
+    for n in nodes:
+        out[str(n)] = {}
+        for workload, entry in res["workloads"].items():
+            out[str(n)][workload] = {}
+            for name, slos in res["slo_sets"].items():
+                cells = []
+                for i in range(len(entry["rates"])):
+                    scaled, requests = cell_load(res, workload, i, n, min_prompts)
+                    shape = shape_for(profile, workload, slos, n, [scaled]).family
+                    cells.append(best_priced(profile, kind_families(profile, slos, shape)["auto"], n, requests,
+                                             scaled, slos))
+                out[str(n)][workload][name] = cells
+    return out
+
+
+MIN_COMPARED = 0.01  # req/s: cells where neither auto nor the best static setup serves this are not compared
+
+
+def simulated_auto_over_static(res: dict, at_rate: bool = False) -> dict[str, dict]:
+    """Per simulated node count, auto's goodput over the best static kind's (colocated or PD) in each
+    cell: the worst cell (ratio, workload, SLO set, rate a node pair), how many fall under 0.99x, of
+    how many compared. `at_rate`: auto with its shape picked at the cell's rate (auto_at_rate_map)."""
+    out = {}
+    for n, by_workload in res.get("simulated", {}).items():
+        ratios = []
+        for workload, by_slo in by_workload.items():
+            for name, cells in by_slo.items():
+                for i, c in enumerate(cells):
+                    if at_rate:
+                        autos = res.get("simulated_auto_at_rate", {}).get(n, {}).get(workload, {}).get(name)
+                        if autos is None:
+                            continue
+                        auto = autos[i][1]
+                    else:
+                        auto = c["auto"][1]
+                    static = max(g for kind, (_, g) in c.items() if kind != "auto")
+                    if max(auto, static) >= MIN_COMPARED:
+                        rate = res["workloads"][workload]["rates"][i]
+                        ratios.append((auto / static if static > 0 else float("inf"), workload, name, rate))
+        if ratios:
+            out[n] = {"worst": min(ratios), "under": sum(r[0] < 0.99 for r in ratios), "cells": len(ratios)}
     return out
 
 
@@ -220,6 +284,15 @@ def markdown(res: dict, png: str = "winmap.png") -> str:
                 row = "; ".join(", ".join(f"{kind} {setup} {g:.2f}" for kind, (setup, g) in c.items()) for c in cells)
                 lines.append(f"- {workload}, {name}: {row}")
         lines.append("")
+    for n, by_workload in res.get("simulated_auto_at_rate", {}).items():
+        lines.append(f"Auto at {n} nodes told the rate (`--rate`: its shape picked at the cell's rate; "
+                     "goodput req/s):")
+        lines.append("")
+        for workload, by_slo in by_workload.items():
+            for name, cells in by_slo.items():
+                lines.append(f"- {workload}, {name}: " + "; ".join(f"{setup} {g:.2f}" for setup, g in cells))
+        lines.append("")
+    lines += auto_over_static_lines(res)
     agree = planner_agreement(res)
     if agree["cells"]:
         lines += [f"The planner's pick at 2 nodes (the simulator's best kind) is the measured winner's kind in "
@@ -227,6 +300,20 @@ def markdown(res: dict, png: str = "winmap.png") -> str:
                   f"of the winner in {agree['near']}.", ""]
     lines.append(f"![win map](results/{png})")
     return "\n".join(lines)
+
+
+def auto_over_static_lines(res: dict) -> list[str]:
+    """The simulated map's auto against the best static setup, per node count: as `--nodes N` picks
+    its shape, and told the rate."""
+    lines = []
+    for at_rate, label in ((False, "its shape picked without the rate"), (True, "told the rate (`--rate`)")):
+        summary = simulated_auto_over_static(res, at_rate)
+        if summary:
+            lines.append(f"Simulated auto / best static, {label}: " + "; ".join(
+                f"{n} nodes worst {s['worst'][0]:.2f}x ({s['worst'][1]}, {s['worst'][2]}, {s['worst'][3]:g} req/s a "
+                f"node pair), {s['under']} of {s['cells']} cells under 0.99x" for n, s in summary.items()) + ".")
+            lines.append("")
+    return lines
 
 
 def plot(res: dict, path: Path) -> None:
@@ -260,6 +347,10 @@ def finish(res: dict, args) -> None:
     if args.nodes:
         profile = Profile.load(args.profile or res["profile_path"])
         res["simulated"] = simulated_map(profile, res, args.nodes, res["min_prompts"])
+    if args.auto_at_rate:  # kept per node count: --nodes (empty) --auto-at-rate 64 adds 64 to an earlier run's
+        profile = Profile.load(args.profile or res["profile_path"])
+        res.setdefault("simulated_auto_at_rate", {}).update(
+            auto_at_rate_map(profile, res, args.auto_at_rate, res["min_prompts"]))
     out = Path(args.out)
     plot(res, out.with_suffix(".png"))
     publish(res, str(out), "winmap", "Where disaggregation pays: the win map (2 nodes measured)",
@@ -343,6 +434,9 @@ def main() -> None:
     parser.add_argument("--min-prompts", type=int, default=40, help="requests per rate at least")
     parser.add_argument("--seconds-per-rate", type=float, default=60.0)
     parser.add_argument("--nodes", type=int, nargs="*", default=[2, 8, 64], help="node counts to simulate")
+    parser.add_argument("--auto-at-rate", type=int, nargs="*", default=[], metavar="N",
+                        help="node counts to simulate auto at again, its shape picked at each cell's rate "
+                             "(`--rate`)")
     parser.add_argument("--profile", default=None, help="auto mode's and the simulator's profile (default: measured)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default=None, help="default: docs/results/winmap.json (with --add-to: that map)")
