@@ -123,13 +123,13 @@ def test_simulated_auto_is_compared_with_the_best_static_kind():
                {"colocated": ("colocated:2", 0.8), "PD": ("pull:1P1D", 1.0), "auto": ("auto:2", 0.9)},
                {"colocated": ("colocated:2", 0.004), "PD": ("pull:1P1D", 0.0), "auto": ("auto:2", 0.001)},
                {"colocated": ("colocated:2", 1.0), "PD": ("pull:1P1D", 0.2), "auto": ("auto:2", 0.5)}]}}},
-           "simulated_auto_at_rate": {"2": {"chat": {"itl": [("auto:2", 0.5), ("pull:1P1D", 1.1),
+           "simulated_auto_at_rate": {"2": {"chat": {"itl": [("auto:2", 0.5), ("auto:1P1D", 1.1),
                                                              ("auto:2", 0.0), ("auto:2", 0.4)]}}}}
     # the third cell serves under 0.01 req/s either way: not compared; the fourth is past saturation
     # (its best setup meets the SLOs for a quarter of the 4 req/s offered): compared, but not servable
-    told = simulated_auto_over_static(res)["2"]
-    assert (told["worst"], told["under"], told["cells"]) == ((0.5, "chat", "itl", 4.0), 2, 3)
-    assert told["servable"] == {"worst": (0.9, "chat", "itl", 1.0), "under": 1, "cells": 2}
+    picked = simulated_auto_over_static(res)["2"]
+    assert (picked["worst"], picked["under"], picked["cells"]) == ((0.5, "chat", "itl", 4.0), 2, 3)
+    assert picked["servable"] == {"worst": (0.9, "chat", "itl", 1.0), "under": 1, "cells": 2}
     at_rate = simulated_auto_over_static(res, at_rate=True)["2"]
     assert (at_rate["worst"], at_rate["under"], at_rate["cells"]) == ((0.4, "chat", "itl", 4.0), 1, 3)
     assert at_rate["servable"] == {"worst": (1.0, "chat", "itl", 0.5), "under": 0, "cells": 2}
@@ -139,7 +139,7 @@ def test_simulated_auto_is_compared_with_the_best_static_kind():
             "requests or more): 2 nodes worst 0.50x (chat, itl, 4 req/s a node pair), 2 of 3 under 0.99x, servable "
             "worst 0.90x (chat, itl, 1 req/s a node pair), 1 of 2 under 0.99x.") in text
     assert "requests or more): 2 nodes worst 0.40x (chat, itl, 4 req/s a node pair), 1 of 3" in text
-    assert "- chat, itl: auto:2 0.50; pull:1P1D 1.10; auto:2 0.00; auto:2 0.40" in text
+    assert "- chat, itl: auto:2 0.50; auto:1P1D 1.10; auto:2 0.00; auto:2 0.40" in text
 
 
 def test_named_workloads_sweep_at_their_shapes():

@@ -146,24 +146,26 @@ def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: in
     best family at N nodes (units that divide N), the whole cluster simulated (plan/shape.py's
     whole_cluster) at the measured rate x N / 2; auto in the shape `pdserve up --mode auto --nodes
     N` picks for the workload and SLOs."""
-    out: dict = {}
-    for n in nodes:
-        out[str(n)] = {}
-        for workload, entry in res["workloads"].items():
-            out[str(n)][workload] = {}
-            for name, slos in res["slo_sets"].items():
-                shape = shape_for(profile, workload, slos, n).family
-                cells = []
-                for i, rate in enumerate(entry["rates"]):
-                    scaled, requests = cell_load(res, workload, i, n, min_prompts)
-                    best = {}
-                    for kind, fams in kind_families(profile, slos, shape).items():
-                        tried = [f for f in fams if n % f.unit_nodes == 0]
-                        if tried:
-                            best[kind] = best_priced(profile, tried, n, requests, scaled, slos)
-                    cells.append(best)
-                out[str(n)][workload][name] = cells
-    return out
+    def cells(n: int, workload: str, slos: dict[str, float]) -> list[dict]:
+        shape = shape_for(profile, workload, slos, n).family
+        priced = []
+        for i in range(len(res["workloads"][workload]["rates"])):
+            scaled, requests = cell_load(res, workload, i, n, min_prompts)
+            best = {}
+            for kind, fams in kind_families(profile, slos, shape).items():
+                tried = [f for f in fams if n % f.unit_nodes == 0]
+                if tried:
+                    best[kind] = best_priced(profile, tried, n, requests, scaled, slos)
+            priced.append(best)
+        return priced
+
+    return over_cells(res, nodes, cells)
+
+
+def over_cells(res: dict, nodes: list[int], price) -> dict:
+    """{N: {workload: {slo set: price(N, workload, slos)}}} over the map's workloads and SLO sets."""
+    return {str(n): {workload: {name: price(n, workload, slos) for name, slos in res["slo_sets"].items()}
+                     for workload in res["workloads"]} for n in nodes}
 
 
 def cell_load(res: dict, workload: str, index: int, nodes: int, min_prompts: int) -> tuple[float, list]:
@@ -186,20 +188,13 @@ def auto_at_rate_map(profile: Profile, res: dict, nodes: list[int], min_prompts:
     --nodes N --rate R` runs it, its shape picked at the cell's own rate (R = rate x N / 2) instead
     of over fractions of what N idle nodes serve (plan/shape.py's RATE_FRACTIONS), which cannot
     know which side of a crossing between shapes the user's load falls on."""
-    out: dict = {}
-    for n in nodes:
-        out[str(n)] = {}
-        for workload, entry in res["workloads"].items():
-            out[str(n)][workload] = {}
-            for name, slos in res["slo_sets"].items():
-                cells = []
-                for i in range(len(entry["rates"])):
-                    scaled, requests = cell_load(res, workload, i, n, min_prompts)
-                    shape = shape_for(profile, workload, slos, n, [scaled]).family
-                    cells.append(best_priced(profile, kind_families(profile, slos, shape)["auto"], n, requests,
-                                             scaled, slos))
-                out[str(n)][workload][name] = cells
-    return out
+    def told(n: int, workload: str, index: int, slos: dict[str, float]) -> tuple[str, float]:
+        scaled, requests = cell_load(res, workload, index, n, min_prompts)
+        shape = shape_for(profile, workload, slos, n, [scaled]).family
+        return best_priced(profile, kind_families(profile, slos, shape)["auto"], n, requests, scaled, slos)
+
+    return over_cells(res, nodes, lambda n, workload, slos: [
+        told(n, workload, i, slos) for i in range(len(res["workloads"][workload]["rates"]))])
 
 
 MIN_COMPARED = 0.01  # req/s: cells where neither auto nor the best static setup serves this are not compared
