@@ -147,16 +147,13 @@ def simulated_map(profile: Profile, res: dict, nodes: list[int], min_prompts: in
     whole_cluster) at the measured rate x N / 2; auto in the shape `pdserve up --mode auto --nodes
     N` picks for the workload and SLOs."""
     def cells(n: int, workload: str, slos: dict[str, float]) -> list[dict]:
-        shape = shape_for(profile, workload, slos, n).family
+        kinds = kind_families(profile, slos, shape_for(profile, workload, slos, n).family)
+        fitting = {kind: [f for f in fams if n % f.unit_nodes == 0] for kind, fams in kinds.items()}
         priced = []
         for i in range(len(res["workloads"][workload]["rates"])):
             scaled, requests = cell_load(res, workload, i, n, min_prompts)
-            best = {}
-            for kind, fams in kind_families(profile, slos, shape).items():
-                tried = [f for f in fams if n % f.unit_nodes == 0]
-                if tried:
-                    best[kind] = best_priced(profile, tried, n, requests, scaled, slos)
-            priced.append(best)
+            priced.append({kind: best_priced(profile, fams, n, requests, scaled, slos)
+                           for kind, fams in fitting.items() if fams})
         return priced
 
     return over_cells(res, nodes, cells)
@@ -168,9 +165,14 @@ def over_cells(res: dict, nodes: list[int], price) -> dict:
                      for workload in res["workloads"]} for n in nodes}
 
 
+def at_nodes(rate: float, nodes: int) -> float:
+    """A cell's rate (requests/s a node pair: the map measures pairs) offered to `nodes` nodes."""
+    return rate * nodes / 2
+
+
 def cell_load(res: dict, workload: str, index: int, nodes: int, min_prompts: int) -> tuple[float, list]:
-    """A cell's load at `nodes` nodes: its rate x nodes / 2 (the map measures pairs), and its requests."""
-    scaled = res["workloads"][workload]["rates"][index] * nodes / 2
+    """A cell's load at `nodes` nodes: its rate there (at_nodes), and its requests."""
+    scaled = at_nodes(res["workloads"][workload]["rates"][index], nodes)
     return scaled, sweep_workload(workload, index, scaled, res["seconds_per_rate"], min_prompts * nodes // 2)
 
 
@@ -224,7 +226,7 @@ def simulated_auto_over_static(res: dict, at_rate: bool = False) -> dict[str, di
                     rate = res["workloads"][workload]["rates"][i]
                     ratio = (auto / static if static > 0 else float("inf"), workload, name, rate)
                     ratios.append(ratio)
-                    if max(auto, static) >= SERVABLE * rate * int(n) / 2:
+                    if max(auto, static) >= SERVABLE * at_nodes(rate, int(n)):
                         servable.append(ratio)
         if ratios:
             out[n] = {**worst_of(ratios), "servable": worst_of(servable)}
@@ -357,11 +359,11 @@ def plot(res: dict, path: Path) -> None:
 
 def finish(res: dict, args) -> None:
     res["map"] = measured_map(res)
-    if args.nodes:
+    if args.nodes or args.auto_at_rate:
         profile = Profile.load(args.profile or res["profile_path"])
+    if args.nodes:
         res["simulated"] = simulated_map(profile, res, args.nodes, res["min_prompts"])
     if args.auto_at_rate:  # kept per node count: --nodes (empty) --auto-at-rate 64 adds 64 to an earlier run's
-        profile = Profile.load(args.profile or res["profile_path"])
         res.setdefault("simulated_auto_at_rate", {}).update(
             auto_at_rate_map(profile, res, args.auto_at_rate, res["min_prompts"]))
     out = Path(args.out)
