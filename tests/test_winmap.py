@@ -202,3 +202,19 @@ def test_the_simulated_map_prices_auto_as_the_shape_it_runs_as():
     assert plain["auto"] == [Family("auto", 0, 2, chunked=False)]
     pd = kind_families(None, {"ttft_ms": 18000.0}, Family("pull", 1, 1, decode_max_seqs=8))
     assert pd["auto"] == [Family("auto", 1, 1, decode_max_seqs=8)] and Family("pull", 1, 1) in pd["PD"]
+
+
+@pytest.mark.parametrize("flags, message", [(["--nodes", "0"], "--nodes 0: expected 1 to 1000"),
+                                            (["--nodes", "--auto-at-rate", "2", "1001"],
+                                             "--auto-at-rate 1001: expected 1 to 1000")])
+def test_node_counts_out_of_range_are_refused_by_name(tmp_path, flags, message):
+    """A node count the planner cannot take stops the command before any work, naming its flag (it
+    once surfaced as a traceback from deep in the simulation, naming --nodes for --auto-at-rate)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "map.json"
+    done = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.winmap", "--from-json", str(out), "--out",
+                           str(out), *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"error: {message}" in done.stderr
+    assert not out.exists()

@@ -50,7 +50,7 @@ from pdserve.benchmarks.report import publish
 from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
 from pdserve.benchmarks.study import Setup, run_setup, study_slos, sweep_workload
 from pdserve.config import EngineConfig
-from pdserve.plan.planner import Family, families
+from pdserve.plan.planner import Family, check_nodes, families
 from pdserve.plan.profile import Profile, ProfilePoints, run_profile
 from pdserve.plan.shape import shape_for, whole_cluster
 from pdserve.plan.sim import simulate
@@ -466,6 +466,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.append and not args.add_to:
         parser.error("--append adds runs to an earlier map: give --add-to PATH")
+    for flag, counts in (("--nodes", args.nodes), ("--auto-at-rate", args.auto_at_rate)):
+        for n in counts:
+            try:
+                check_nodes(n, flag)
+            except ValueError as e:
+                parser.error(str(e))
     defaults(args)
     if args.from_json:
         finish(json.loads(Path(args.from_json).read_text()), args)
