@@ -12,7 +12,7 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
-from pdserve.benchmarks.simcheck import errors, idle_level, within_targets
+from pdserve.benchmarks.simcheck import errors, idle_level, relay_now, within_targets
 from pdserve.plan.corun import decode_steps, timed_beside
 from pdserve.procinfo import cpu_seconds, descendants
 
@@ -42,6 +42,26 @@ def test_an_idle_node_sets_the_level_of_the_profiles_costs():
     assert level == pytest.approx({"prefill": 1.5, "decode": 0.8})
     scaled = profile.scaled(level)
     assert scaled.prefill_time(2048, 512) == pytest.approx(1.5 * profile.prefill_time(2048, 512))
+
+
+def test_relay_factors_measured_beside_a_setup_replace_the_profiles():
+    """relay_samples before and after a setup's runs: the median over all their rounds of each round's
+    ratio of medians (relayed over idle); without samples, the profile's own factors."""
+    profile = known_profile(budget=512)
+    profile.corun = {**profile.corun, "relay": 1.3, "relay_decode": 1.2}
+    assert relay_now(profile, []) == {"relay": 1.3, "relay_decode": 1.2}
+
+    def one(prefill: tuple[float, float], step: tuple[float, float]) -> dict:
+        return {"idle_prefill_ms": [prefill[0]] * 3, "relayed_prefill_ms": [prefill[1], prefill[1], 999.0],
+                "idle_decode_step_ms": [step[0]] * 3, "relayed_decode_step_ms": [step[1]] * 3}
+
+    before = {"rounds": [one((100, 110), (10, 10.5)), one((100, 130), (10, 11))]}
+    after = {"rounds": [one((90, 108), (20, 20))]}
+    # Prefill ratios 1.10, 1.30, 1.20 (each round's medians: one outlier does not count); steps 1.05, 1.10, 1.00.
+    assert relay_now(profile, [before, after]) == pytest.approx({"relay": 1.2, "relay_decode": 1.05})
+    # An older sample without decode steps keeps the profile's decode factor.
+    prefill_only = {"rounds": [{k: v for k, v in one((100, 150), (1, 1)).items() if "prefill" in k}]}
+    assert relay_now(profile, [prefill_only]) == pytest.approx({"relay": 1.5, "relay_decode": 1.2})
 
 
 def test_a_nodes_decode_counters_count_its_decode_only_steps(fp32_node):

@@ -10,7 +10,10 @@ workload twice (`mixed`, the study's, or `multiturn`: conversations, the rate is
 profile. The profile gives the costs' shape; their level comes from the idle node the study
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
-setup's runs: this shared host's speed drifts by tens of percent within an hour). `--real-from`
+setup's runs: this shared host's speed drifts by tens of percent within an hour), and so does the
+relay factors' (plan/corun.py's relay_samples before and after each setup: how much slower a node
+steps while the host's proxy relays another node's streams, x1.12-1.36 on one host within a day).
+`--real-from`
 an earlier JSON simulates its real runs again, with its profile or --profile; `--merge-into` one
 runs the given setups for real again on its terms (profile, SLOs, calibration) and replaces them
 there (when other load disturbed a setup's runs). Prints the error of
@@ -32,7 +35,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pdserve.benchmarks import host_load
@@ -51,8 +54,9 @@ from pdserve.benchmarks.study import SETUPS as STUDY_SETUPS
 from pdserve.benchmarks.study import Setup as StudySetup
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.plan.corun import RELAY_STREAMS
-from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index
+from pdserve.plan.corun import RELAY_STREAMS, relay_factors, relay_samples
+from pdserve.plan.measure import node_args
+from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index, two_cores
 from pdserve.plan.sim import Setup, simulate
 from pdserve.platform import plan_kernels
 from pdserve.workload import goodput_items
@@ -85,6 +89,14 @@ def simulated_points(profile: Profile, key: str, rates: list[float], seconds_per
                      sweep_workload(workload, i, rate, seconds_per_rate, min_prompts), rate, 1.0, i, slos,
                      max_num_batched_tokens=setup.budget, chunked_prefill=setup.chunked, one_host=True)
             for i, rate in enumerate(rates)]
+
+
+def relay_now(profile: Profile, samples: list[dict]) -> dict[str, float]:
+    """The profile's relay factors as measured beside one setup's runs (relay_samples before and
+    after them: the medians over all their rounds); the profile's own where none were."""
+    rounds = [r for s in samples for r in s["rounds"]]
+    now = relay_factors({"rounds": rounds}) if rounds else {}
+    return {k: now.get(k, profile.corun.get(k, 1.0)) for k in ("relay", "relay_decode")}
 
 
 def auto_args(setup: StudySetup, profile_path: Path, slos: dict[str, float]) -> tuple[str, ...]:
@@ -213,6 +225,9 @@ def main() -> None:
                         "simcheck_multiturn.json)")
     parser.add_argument("--no-track-speed", dest="track_speed", action="store_false",
                         help="simulate with the profile as measured, not scaled to the machine's speed at each setup")
+    parser.add_argument("--no-track-relay", dest="track_relay", action="store_false",
+                        help="simulate with the profile's relay factors, not those measured beside each setup's runs "
+                             "(or recorded there, with --real-from)")
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="do not set the costs' level from the idle node measured before the runs")
     again = parser.add_mutually_exclusive_group()
@@ -261,10 +276,14 @@ def main() -> None:
                  "seconds_per_rate": args.seconds_per_rate, "min_prompts": args.min_prompts, "slos_ms": slos,
                  "idle": idle, "profile": asdict(profile), "profile_source": source, "setups": {},
                  "real_from": (earlier.get("real_from") or earlier["date"]) if earlier else None,
-                 "reruns": earlier.get("reruns", {}) if earlier else {}}
+                 "reruns": earlier.get("reruns", {}) if earlier else {}, "track_relay": args.track_relay}
     # The machine's speed now, before and after each setup's runs, against the profile's: a
     # shared host drifts by tens of percent, and the simulation should predict the runs it faces.
     engine = None if earlier or not args.track_speed else LLMEngine(EngineConfig(dtype=args.dtype, threads=1))
+    # The relay's cost too (a minute before and after each setup): it follows the host's state, and
+    # no one factor fitted two runs of one host a day apart (docs/benchmarks.md).
+    relay_cores = None if earlier or not args.track_relay or not profile.corun_measured \
+        else two_cores(EngineConfig(dtype=args.dtype, threads=1))
     # The drift the idle node was measured at (that of the first setup run after it), as recorded:
     # a setup run again later (--merge-into) records its own.
     level, first_drift = idle_level(profile, idle), (earlier or base or {}).get("idle_drift")
@@ -275,11 +294,14 @@ def main() -> None:
         setup = SETUPS[key]
         if earlier:
             real, speed = earlier["setups"][key]["real"], earlier["setups"][key].get("speed", [])
+            relay = earlier["setups"][key].get("relay", [])
         else:
             seed = 10_000 * (1 + args.setups.index(key))  # fresh prompts for every speed_index
             speed = [speed_index(engine, seed)] if engine else []
+            relay = [relay_samples(node_args(args.dtype), relay_cores, rounds=2)] if relay_cores else []
             real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos,
                              args.workload, auto_args(setup, Path(args.profile or profile_path), slos))
+            relay += [relay_samples(node_args(args.dtype), relay_cores, rounds=2)] if relay_cores else []
             speed += [speed_index(engine, seed + 1000)] if engine else []
         now = {k: statistics.mean(s[k] for s in speed) for k in ("prefill_s", "decode_s")} if speed else {}
         drift = profile.speed_factors(now) if now else {"prefill": 1.0, "decode": 1.0}
@@ -287,18 +309,24 @@ def main() -> None:
         factors = {k: level[k] * drift[k] / first_drift[k] for k in level} if args.calibrate else drift
         print(f"[{key}] costs scaled by prefill x{factors['prefill']:.2f}, decode x{factors['decode']:.2f} "
               f"(machine drift against the profile: x{drift['prefill']:.2f}, x{drift['decode']:.2f})", flush=True)
-        sim = simulated_points(profile.scaled(factors), key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
+        relayed = relay_now(profile, relay if args.track_relay else [])
+        whose = "measured beside its runs" if relay and args.track_relay else "the profile's"
+        print(f"[{key}] relay factors x{relayed['relay']:.2f} (prefill), x{relayed['relay_decode']:.2f} (decode), "
+              f"{whose}", flush=True)
+        now_profile = replace(profile.scaled(factors), corun={**profile.corun, **relayed})
+        sim = simulated_points(now_profile, key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
                                args.workload)
         for point in real + sim:  # per-token gaps: megabytes, and their percentiles are in the summaries
             point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
-                              "speed": speed, "drift": drift, "cost_factors": factors,
+                              "speed": speed, "drift": drift, "cost_factors": factors, "relay": relay,
+                              "relay_factors": relayed,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
         for rate, err, point, simulated in zip(args.rates, res["setups"][key]["errors"], real, sim):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
             if "host_load" in point:  # runs recorded since host_load was
-                point["host_reading"] = host_load.against_profile(point["host_load"], profile.scaled(factors),
+                point["host_reading"] = host_load.against_profile(point["host_load"], now_profile,
                                                                   point["total_output_tokens"])
                 print(f"[{key}] rate {rate}: {host_load.line(point['host_reading'])}", flush=True)
                 point["host_reading"]["decode_steps"] = steps = host_load.decode_steps(point["host_load"]["decode"])
@@ -332,6 +360,10 @@ def corun_note(res: dict) -> str:
             note += f" and a decode step x{corun['relay_decode']:.2f} (while another node computed)"
         note += (f" while other nodes had {RELAY_STREAMS} streams or more under way, in proportion below that "
                  "(the relay factors: the proxy relaying their tokens on the node's core)")
+        tracked = {k: s["relay_factors"] for k, s in res["setups"].items() if s.get("relay") and res.get("track_relay")}
+        if tracked:
+            note += ("; those measured beside each setup's runs (relay_samples before and after them) replaced them: "
+                     + ", ".join(f"({k}) x{f['relay']:.2f} / x{f['relay_decode']:.2f}" for k, f in tracked.items()))
     handoff = profile.get("serving", {}).get("pull_handoff_s")
     if handoff is not None:
         note += f"; a pull's served handoff {handoff * 1e3:.1f} ms on top of its bytes' transfer"
