@@ -10,10 +10,10 @@ workload twice (`mixed`, the study's, or `multiturn`: conversations, the rate is
 profile. The profile gives the costs' shape; their level comes from the idle node the study
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
-setup's runs: this shared host's speed drifts by tens of percent within an hour), and so does the
-relay factors' (plan/corun.py's relay_samples before and after each setup: how much slower a node
-steps while the host's proxy relays another node's streams, x1.12-1.36 on one host within a day).
-`--real-from`
+setup's runs: this shared host's speed drifts by tens of percent within an hour). The relay factors
+are measured beside each setup too (plan/corun.py's relay_samples before and after its runs: how much
+slower a node steps while the host's proxy relays another node's streams, x1.12-1.36 on one host
+within a day). `--real-from`
 an earlier JSON simulates its real runs again, with its profile or --profile; `--merge-into` one
 runs the given setups for real again on its terms (profile, SLOs, calibration) and replaces them
 there (when other load disturbed a setup's runs). Prints the error of
