@@ -18,6 +18,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import available
 from pdserve.plan.corun import relay_factors, relay_samples
 from pdserve.plan.fit import fit_linear
+from pdserve.plan.idle import NO_IDLE
 from pdserve.plan.measure import PROBE_TOKENS, pull_handoffs
 from pdserve.plan.profile import NO_CORUN, Profile, corun_factors, decode_features, serving_overheads
 from pdserve.plan.profile_cache import cached_profile_path, profile_for
@@ -96,7 +97,8 @@ def test_quick_profile_measures_every_cost_and_predicts_its_own_samples(quick_pr
         assert fit.mean_rel_error < 0.35, fit
     data = json.loads(out.read_text())
     assert set(data) == {"meta", "prefill_chunk", "decode_step", "transfer", "startup_s", "samples", "speed", "serving",
-                         "corun"}
+                         "corun", "idle"}
+    assert profile.idle == NO_IDLE and "idle" not in samples  # full profiles only (plan/idle.py)
     # --quick leaves the co-run factors out (only `simulate --one-host` reads them), and says so.
     assert profile.corun == NO_CORUN and profile.meta["corun_measured"] is False
     assert "beside another busy core of this host: not measured (--quick" in stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -151,6 +152,31 @@ def test_new_work_cuts_a_decode_run_at_the_step_in_progress():
     assert a.result().itls_ms[: len(expected)] == pytest.approx([x * 1e3 for x in expected])
     assert b.result().ttft_ms == pytest.approx((t + mixed - 0.5) * 1e3)
     assert a.result().output_len == 50 and b.result().output_len == 5 and node.free_blocks == blocks
+
+
+IDLE = {"tau_s": 1.0, "prefill_s": 0.2, "decode_s": 0.1}  # plan/idle.py's fit: amplitude * (1 - exp(-gap / tau))
+
+
+def test_a_nodes_first_step_after_it_idled_pays_the_profiles_idle_penalty():
+    """A's prefill is the node's first step ever (idle since long before: the whole 0.2 s); its
+    decode steps follow back to back (nothing); B arrives 2 s later, after the node idled since A's
+    last token; pulled, D's first step (a decode step) pays the decode amplitude, 0.1 s."""
+    sim = Simulation(replace(known_profile(), idle=IDLE))
+    node = SimNode(sim, "N", Batching(budget=512, chunked=True, max_seqs=64, capacity=100_000))
+    a, b = Tracker(BenchRequest([0], 100, 3), 0.0), Tracker(BenchRequest([0], 100, 3), 2.0)
+    sim.at(0.0, lambda: node.submit(Job(0, 100, 3, a, lambda t: None)))
+    sim.at(2.0, lambda: node.submit(Job(1, 100, 3, b, lambda t: None)))
+    sim.run()
+    steps = [0.025 + 101e-5, 0.025 + 102e-5]
+    assert a.result().ttft_ms == pytest.approx((0.110 + 0.2) * 1e3)
+    assert a.result().itls_ms == pytest.approx([x * 1e3 for x in steps])
+    idled = 2.0 - (0.110 + 0.2 + sum(steps))
+    assert b.result().ttft_ms == pytest.approx((0.110 + 0.2 * (1 - math.exp(-idled / 1.0))) * 1e3)
+    assert b.result().itls_ms == pytest.approx([x * 1e3 for x in steps])
+    warm = run("pull:1P1D", [BenchRequest([0], 100, 3)])
+    cold = run("pull:1P1D", [BenchRequest([0], 100, 3)], profile=replace(known_profile(), idle=IDLE))
+    assert cold["ttfts"][0] == pytest.approx(warm["ttfts"][0] + 0.2)
+    assert cold["itls"][0] == pytest.approx([warm["itls"][0][0] + 0.1, warm["itls"][0][1]])
 
 
 def a_then_b_on_two_nodes(profile: Profile, one_host: bool) -> tuple[Tracker, Tracker]:
@@ -460,7 +486,7 @@ def test_a_tracker_says_once_when_its_longest_gap_passes_its_limit():
     tracker.token(0.100)  # the first token: no gap yet
     tracker.token(0.140)
     assert calls == [] and not tracker.past_limit
-    tracker.steps(0.300, 0.030, 0.010, 4)  # 30, 40, 50, 60 ms
+    tracker.steps(0.320, 0.030, 0.010, 4)  # 30, 40, 50, 60 ms
     assert calls == [1] and tracker.past_limit and tracker.longest == pytest.approx(0.060)
     tracker.token(0.500)
     assert calls == [1]

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
-from pdserve.benchmarks.simcheck import errors, idle_level, relay_now, within_targets
+from pdserve.benchmarks.simcheck import errors, idle_level, idle_now, relay_now, within_targets
 from pdserve.plan.corun import decode_steps, timed_beside
 from pdserve.procinfo import cpu_seconds, descendants
 
@@ -62,6 +64,21 @@ def test_relay_factors_measured_beside_a_setup_replace_the_profiles():
     # An older sample without decode steps keeps the profile's decode factor.
     prefill_only = {"rounds": [{k: v for k, v in one((100, 150), (1, 1)).items() if "prefill" in k}]}
     assert relay_now(profile, [prefill_only]) == pytest.approx({"relay": 1.5, "relay_decode": 1.2})
+
+
+def test_the_idle_penalty_measured_beside_a_setup_replaces_the_profiles():
+    """Pairs from before and after the setup's runs are pooled and fitted (plan/idle.py); a setup
+    with none (an older recorded run, or --no-track-speed) keeps the profile's."""
+    profile = replace(known_profile(), idle={"tau_s": 2.0, "prefill_s": 0.3, "decode_s": 0.1})
+    assert idle_now(profile, []) == profile.idle
+
+    def pairs(amplitude: float, tau: float) -> list[dict]:
+        return [{"kind": kind, "gap_s": g, "warm_s": 0.1, "cold_s": 0.1 + a * -math.expm1(-g / tau)}
+                for kind, a in (("prefill", amplitude), ("decode", amplitude / 2)) for g in (0.3, 1.0, 3.0)]
+
+    now = idle_now(profile, [pairs(0.05, 1.0), pairs(0.05, 1.0)])
+    assert now["tau_s"] == pytest.approx(1.0, rel=0.08) and now["prefill_s"] == pytest.approx(0.05, rel=0.05)
+    assert now["decode_s"] == pytest.approx(0.025, rel=0.05)
 
 
 def test_a_nodes_decode_counters_count_its_decode_only_steps(fp32_node):

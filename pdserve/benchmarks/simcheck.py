@@ -10,7 +10,8 @@ workload twice (`mixed`, the study's, or `multiturn`: conversations, the rate is
 profile. The profile gives the costs' shape; their level comes from the idle node the study
 measures before the runs (its long-prompt TTFT and lone decode step: idle_level), and follows the
 machine's drift from setup to setup (a fixed piece of engine work timed before and after each
-setup's runs: this shared host's speed drifts by tens of percent within an hour). The relay factors
+setup's runs: this shared host's speed drifts by tens of percent within an hour), and so does the
+idle penalty (plan/idle.py: pairs of steps, warm and after 0.3 / 1 / 3 s idle). The relay factors
 are measured beside each setup too (plan/corun.py's relay_samples before and after its runs: how much
 slower a node steps while the host's proxy relays another node's streams, x1.12-1.36 on one host
 within a day). `--real-from`
@@ -55,6 +56,7 @@ from pdserve.benchmarks.study import Setup as StudySetup
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.corun import RELAY_STREAMS, relay_factors, relay_samples
+from pdserve.plan.idle import fit_idle, measure_idle, penalty
 from pdserve.plan.measure import node_args
 from pdserve.plan.profile import Profile, ProfilePoints, describe, run_profile, speed_index, two_cores
 from pdserve.plan.sim import Setup, simulate
@@ -64,6 +66,7 @@ from pdserve.workload import goodput_items
 RELATIVE = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_throughput")
 MEDIANS = ("median_ttft_ms", "median_tpot_ms", "request_throughput")  # the ones the 10 % target covers
 P99S = ("p99_ttft_ms", "p99_tpot_ms")  # within 20 %
+TRACK_IDLE_GAPS_S = (0.3, 1.0, 3.0)  # the idle penalty's pairs beside each setup: ~10 s before and after
 GAPS = ("median_max_itl_ms", "p99_max_itl_ms")  # each request's longest gap: reported, not a target
 SETUPS = {**STUDY_SETUPS, "e": StudySetup("e", "1P1D auto (cost)", ("--mode", "auto"), "auto:1P1D")}
 
@@ -97,6 +100,14 @@ def relay_now(profile: Profile, samples: list[dict]) -> dict[str, float]:
     rounds = [r for s in samples for r in s["rounds"]]
     now = relay_factors({"rounds": rounds}) if rounds else {}
     return {k: now.get(k, profile.corun.get(k, 1.0)) for k in ("relay", "relay_decode")}
+
+
+def idle_now(profile: Profile, samples: list[list[dict]]) -> dict:
+    """The idle penalty (plan/idle.py) fitted to the pairs measured beside one setup's runs (before
+    and after them, pooled): like the host's speed, it moves within a day (docs/benchmarks.md); the
+    profile's where none were."""
+    pooled = [pair for s in samples for pair in s]
+    return fit_idle(pooled) if pooled else profile.idle
 
 
 def auto_args(setup: StudySetup, profile_path: Path, slos: dict[str, float]) -> tuple[str, ...]:
@@ -295,14 +306,17 @@ def main() -> None:
         if earlier:
             real, speed = earlier["setups"][key]["real"], earlier["setups"][key].get("speed", [])
             relay = earlier["setups"][key].get("relay", [])
+            cold = earlier["setups"][key].get("idle_samples", [])
         else:
             seed = 10_000 * (1 + args.setups.index(key))  # fresh prompts for every speed_index
             speed = [speed_index(engine, seed)] if engine else []
+            cold = [measure_idle(engine, seed + 500, rounds=1, gaps=TRACK_IDLE_GAPS_S)] if engine else []
             relay = [relay_samples(node_args(args.dtype), relay_cores, rounds=2)] if relay_cores else []
             real = run_setup(setup, args.rates, args.seconds_per_rate, args.min_prompts, args.dtype, slos,
                              args.workload, auto_args(setup, Path(args.profile or profile_path), slos))
             relay += [relay_samples(node_args(args.dtype), relay_cores, rounds=2)] if relay_cores else []
             speed += [speed_index(engine, seed + 1000)] if engine else []
+            cold += [measure_idle(engine, seed + 1500, rounds=1, gaps=TRACK_IDLE_GAPS_S)] if engine else []
         now = {k: statistics.mean(s[k] for s in speed) for k in ("prefill_s", "decode_s")} if speed else {}
         drift = profile.speed_factors(now) if now else {"prefill": 1.0, "decode": 1.0}
         first_drift = res["idle_drift"] = first_drift or drift  # the idle node was measured just before it
@@ -313,14 +327,18 @@ def main() -> None:
         whose = "measured beside its runs" if relay and args.track_relay else "the profile's"
         print(f"[{key}] relay factors x{relayed['relay']:.2f} (prefill), x{relayed['relay_decode']:.2f} (decode), "
               f"{whose}", flush=True)
-        now_profile = replace(profile.scaled(factors), corun={**profile.corun, **relayed})
+        after_idle = idle_now(profile, cold)
+        print(f"[{key}] a step after 1 s idle pays {penalty(after_idle, 1.0, True) * 1e3:.0f} ms more (prefill), "
+              f"{penalty(after_idle, 1.0, False) * 1e3:.0f} ms (decode), "
+              f"{'measured beside its runs' if cold else 'the profile' + chr(39) + 's'}", flush=True)
+        now_profile = replace(profile.scaled(factors), corun={**profile.corun, **relayed}, idle=after_idle)
         sim = simulated_points(now_profile, key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
                                args.workload)
         for point in real + sim:  # per-token gaps: megabytes, and their percentiles are in the summaries
             point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
                               "speed": speed, "drift": drift, "cost_factors": factors, "relay": relay,
-                              "relay_factors": relayed,
+                              "relay_factors": relayed, "idle_samples": cold, "idle_fit": after_idle,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
         for rate, err, point, simulated in zip(args.rates, res["setups"][key]["errors"], real, sim):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
@@ -367,6 +385,12 @@ def corun_note(res: dict) -> str:
     handoff = profile.get("serving", {}).get("pull_handoff_s")
     if handoff is not None:
         note += f"; a pull's served handoff {handoff * 1e3:.1f} ms on top of its bytes' transfer"
+    fits = {k: s["idle_fit"] for k, s in res["setups"].items() if s.get("idle_samples")}
+    if fits:
+        note += ("; a node's first step after it idled 1 s paid more (plan/idle.py: prefill / decode, measured "
+                 "beside each setup's runs): " + ", ".join(f"({k}) {penalty(f, 1.0, True) * 1e3:.0f} / "
+                                                          f"{penalty(f, 1.0, False) * 1e3:.0f} ms"
+                                                          for k, f in fits.items()))
     return note
 
 

@@ -13,7 +13,8 @@
   missed the 4-16-sequence steps by 13-20 % here, bent by the cheaper 32-sequence ones);
 - KV transfer: the time to pull a request's blocks from another process, per transport, against
   bytes. Model: transfer = latency + bytes / bandwidth;
-- start-up: a node process from start to its first 200 on /health.
+- start-up: a node process from start to its first 200 on /health;
+- idle (full profiles): what a step pays beyond those prices after the node idled (plan/idle.py).
 
 Each fit reports its mean and worst relative error on the samples it was fitted on. `--quick`
 measures fewer points (under a minute here).
@@ -37,6 +38,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transport import TRANSPORTS, available
 from pdserve.plan.corun import pinned, relay_factors, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
+from pdserve.plan.idle import NO_IDLE, fit_idle, measure_idle, penalty
 from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start, pull_handoffs
 from pdserve.platform import CpuInfo
 from pdserve.proxy.costs import DECODE_BASE, decode_hinges
@@ -104,6 +106,8 @@ class Profile:
     # relay, relay_decode: how much slower a served node prefills and decodes while the host's proxy
     # relays another node's streams.
     corun: dict = field(default_factory=lambda: dict(NO_CORUN))
+    # What a node's first step after it idled pays beyond the fits' (warm) prices (plan/idle.py).
+    idle: dict = field(default_factory=lambda: dict(NO_IDLE))
 
     @property
     def corun_measured(self) -> bool:
@@ -159,7 +163,7 @@ class Profile:
         return cls(data["meta"], LinearFit.from_dict(data["prefill_chunk"]), LinearFit.from_dict(data["decode_step"]),
                    {t: LinearFit.from_dict(f) for t, f in data["transfer"].items()}, data["startup_s"],
                    data.get("samples", {}), data.get("speed", {}), {**NO_SERVING, **data.get("serving", {})},
-                   {**NO_CORUN, **data.get("corun", {})})
+                   {**NO_CORUN, **data.get("corun", {})}, {**NO_IDLE, **data.get("idle", {})})
 
     def speed_factors(self, now: dict) -> dict[str, float]:
         """How much slower (> 1) prefill and decode run `now` (speed_index) than when this profile
@@ -328,6 +332,7 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         decode = measure_decode(engine, points, seed + 1000, node["kv_capacity_tokens"])
         speed = speed_index(engine, seed + 2000)
         corun = corun_factors(engine, config, seed + 3000) if points.corun else None
+        idle = measure_idle(engine, seed + 4000) if points.corun else None
         labels = engine.labels()
         model = engine.model_dir.name
     finally:
@@ -348,6 +353,8 @@ def run_profile(config: EngineConfig, points: ProfilePoints, seed: int = 0) -> P
         samples["relay"] = relay
     if handoffs:
         samples["pull_handoffs"] = handoffs
+    if idle:
+        samples["idle"] = idle
     profile = fitted(meta, samples, statistics.median(s["startup_s"] for s in starts))
     profile.speed = speed
     profile.corun = {**NO_CORUN, **(corun or {}), **(relay_factors(relay) if relay else {})}
@@ -370,6 +377,8 @@ def fitted(meta: dict, samples: dict, startup_s: float) -> Profile:
     profile = Profile(meta, prefill_fit, decode_fit, transfer_fits, startup_s, samples)
     profile.serving = serving_overheads(profile, samples["serving_probes"], samples.get("relay"),
                                         samples.get("pull_handoffs"))
+    if samples.get("idle"):
+        profile.idle = fit_idle(samples["idle"])
     return profile
 
 
@@ -456,6 +465,11 @@ def describe(profile: Profile) -> str:
     else:
         lines.append("  beside another busy core of this host: not measured (--quick; `simulate --one-host` "
                      "takes x1.00)")
+    if profile.samples.get("idle"):
+        at = {g: (penalty(profile.idle, g, True) * 1e3, penalty(profile.idle, g, False) * 1e3) for g in (0.3, 1, 3)}
+        lines.append("  a node's first step after it idled 0.3 / 1 / 3 s pays "
+                     + " / ".join(f"{p:.0f}" for p, _ in at.values()) + " ms more (prefill), "
+                     + " / ".join(f"{d:.0f}" for _, d in at.values()) + f" ms (decode): tau {profile.idle['tau_s']:.1f} s")
     lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
                  f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")
     return "\n".join(lines)

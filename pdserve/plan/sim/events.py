@@ -7,6 +7,7 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from pdserve.plan.idle import excess
 from pdserve.plan.profile import Profile
 from pdserve.proxy.costs import decode_hinges
 
@@ -27,6 +28,7 @@ class Costs:
     request_hop: float  # what one HTTP hop adds before a node starts a request
     stream_delay: float  # how much later than the engine the client sees a streamed token (the proxy's hop with it)
     gap_excess: tuple[float, ...] = ()  # a streamed gap beyond its stream's median, sorted (serving's gap_excess_s)
+    idle: tuple[float, float, float] = (1.0, 0.0, 0.0)  # (tau_s, prefill_s, decode_s): plan/idle.py
 
     @classmethod
     def of(cls, profile: Profile) -> Costs:
@@ -35,10 +37,16 @@ class Costs:
         serving = profile.serving
         return cls(p["one"], p["tokens"], p["attention_pairs"], a, b, c, hinges, serving["step_s"], serving["request_s"],
                    serving["stream_s"] + serving.get("proxy_s", 0.0),
-                   tuple(serving.get("gap_excess_s", ())))
+                   tuple(serving.get("gap_excess_s", ())),
+                   (profile.idle["tau_s"], profile.idle["prefill_s"], profile.idle["decode_s"]))
 
     def chunk(self, tokens: int, context_before: int) -> float:
         return self.chunk_fixed + tokens * (self.chunk_token + self.chunk_pair * (context_before + tokens / 2))
+
+    def after_idle(self, gap: float, prefill: bool) -> float:
+        """What a step pays beyond its price after its node idled `gap` s (plan/idle.py's penalty)."""
+        tau, prefill_s, decode_s = self.idle
+        return excess(prefill_s if prefill else decode_s, tau, gap)
 
     def step(self, seqs: int, kv_tokens: int) -> float:
         """A decode step, with what serving adds to each step."""

@@ -77,6 +77,7 @@ class DecodeRun:
     steps: int
     out: SchedulerOutput
     kv_tokens: int  # the batch's KV tokens in its first step (each step adds one per sequence)
+    lead: float = 0.0  # its node idled before it: its first step pays that much more (start is after it)
 
     def elapsed(self, steps: int) -> float:
         return steps * self.first_step + self.growth * steps * (steps - 1) / 2
@@ -84,6 +85,8 @@ class DecodeRun:
     def steps_done_by(self, time: float) -> int:
         """Steps finished between start and `time`."""
         t, a, g = time - self.start, self.first_step, self.growth
+        if t <= 0:  # (a run may start late: its node's first step after idling pays Costs.after_idle)
+            return 0
         if a <= 0 and g <= 0:
             return self.steps
         k = int(t / a) if g <= 0 else int((-(a - g / 2) + math.sqrt((a - g / 2) ** 2 + 2 * g * t)) / g)
@@ -111,6 +114,7 @@ class SimNode:
     busy: bool = False
     active: bool = False  # computing step after step (busy between steps too): others on its host slow down
     streams: int = 0  # running requests past their first token, as last told to the host (its relay slows others)
+    idle_since: float = -math.inf  # when it last ran out of work: its next step pays Costs.after_idle
     run: DecodeRun | None = None
     run_token: int = 0  # invalidates a decode run's scheduled end once the run is cut short
     preemptions: int = 0
@@ -215,17 +219,20 @@ class SimNode:
             return  # the head of the queue waits for KV to be freed
         costs = self.costs
         self.busy = True
+        decodes = [s for s in out.scheduled if is_decode(s)]
+        cold = 0.0
         if not self.active:
+            cold = costs.after_idle(self.sim.now - self.idle_since, len(decodes) < len(out.scheduled))
             self.active = True
             self._tell_host()
         slow_prefill, slow_decode = self._corun()
-        decodes = [s for s in out.scheduled if is_decode(s)]
         kv_tokens = sum(s.request.num_tokens for s in decodes)  # the token fed this step included
         steps = self.scheduler.steady_decode_steps(out, NEVER)
         if steps == 1:
             seconds = slow_prefill * sum(costs.chunk(s.num_new_tokens, s.request.num_computed_tokens)
                                          for s in out.scheduled if not is_decode(s))
             seconds += slow_decode * costs.step(len(decodes), kv_tokens) if decodes else costs.step_serving
+            seconds += cold
             if decodes and len(decodes) == len(out.scheduled):
                 self._count_decode(1, max(seconds, 0.0), len(decodes), kv_tokens)
             self.sim.at(self.sim.now + max(seconds, 0.0), lambda: self._finish_step(out))
@@ -235,10 +242,10 @@ class SimNode:
         # short). Its steps are one event.
         first = max(slow_decode * costs.step(len(decodes), kv_tokens), 0.0)
         growth = max(slow_decode * costs.step(len(decodes), kv_tokens + len(decodes)), 0.0) - first
-        self.run = DecodeRun(self.sim.now, first, growth, steps, out, kv_tokens)
+        self.run = DecodeRun(self.sim.now + cold, first, growth, steps, out, kv_tokens, cold)
         self.run_token += 1
         token = self.run_token
-        self.sim.at(self.sim.now + self.run.elapsed(steps), lambda: self._finish_run(token))
+        self.sim.at(self.run.start + self.run.elapsed(steps), lambda: self._finish_run(token))
 
     def _count_decode(self, steps: int, seconds: float, seqs: int, kv_tokens: int) -> None:
         d = self.decode
@@ -284,7 +291,7 @@ class SimNode:
         for output in outputs:
             job = self.jobs[output.request_id]
             if job.tokens is not None:
-                job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps)
+                job.tokens.steps(self.sim.now, run.first_step, run.growth, run.steps, run.lead)
         self._retire(outputs, self.sim.now)
 
     def _retire(self, outputs: list[RequestOutput], now: float) -> None:
@@ -296,6 +303,7 @@ class SimNode:
         self._maybe_step()
         if not self.busy and self.active:  # out of work: the host's other nodes speed up
             self.active = False
+            self.idle_since = now
             self._tell_host()
         self._count_streams()
 

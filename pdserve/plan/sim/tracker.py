@@ -67,8 +67,18 @@ class Tracker:
                 self.gaps.append((time - self.last, 0.0, 1))
         self.last, self.count = time, self.count + 1
 
-    def steps(self, end: float, first_step: float, growth: float, count: int) -> None:
-        """`count` tokens from back-to-back decode steps ending at `end` (the first token came before)."""
+    def steps(self, end: float, first_step: float, growth: float, count: int, lead: float = 0.0) -> None:
+        """`count` tokens from back-to-back decode steps ending at `end` (the first token came before);
+        `lead`: what the first of them paid beyond its step (its node's first step after idling,
+        Costs.after_idle), a gap of its own."""
+        if lead > 0:
+            self._longest(lead + first_step)
+            if self.gaps is not None:
+                self.gaps.append((lead + first_step, 0.0, 1))
+            first_step, count, self.count = first_step + growth, count - 1, self.count + 1
+            if count == 0:
+                self.last = end
+                return
         self._longest(first_step + max(growth, 0.0) * (count - 1))
         if self.gaps is not None:
             self.gaps.append((first_step, growth, count))
