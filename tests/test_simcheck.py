@@ -14,7 +14,7 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
-from pdserve.benchmarks.simcheck import errors, idle_level, idle_now, relay_now, within_targets
+from pdserve.benchmarks.simcheck import corun_note, errors, idle_level, idle_now, relay_now, within_targets
 from pdserve.plan.corun import decode_steps, timed_beside
 from pdserve.procinfo import cpu_seconds, descendants
 
@@ -79,6 +79,20 @@ def test_the_idle_penalty_measured_beside_a_setup_replaces_the_profiles():
     now = idle_now(profile, [pairs(0.05, 1.0), pairs(0.05, 1.0)])
     assert now["tau_s"] == pytest.approx(1.0, rel=0.08) and now["prefill_s"] == pytest.approx(0.05, rel=0.05)
     assert now["decode_s"] == pytest.approx(0.025, rel=0.05)
+
+
+def test_the_cost_note_lists_the_relay_and_idle_measured_beside_each_setup_merged_or_not():
+    """A run recorded before `relay_tracked` says by its flag; a setup run again into it (--merge-into
+    keeps the base's flag) says for itself; the idle penalty where a setup measured it."""
+    profile = {"corun": {"prefill": 1.0, "decode": 1.0, "relay": 1.1, "relay_decode": 1.01}}
+    old = {"relay": [{"rounds": []}], "relay_factors": {"relay": 1.08, "relay_decode": 1.03}}
+    rerun = {"relay": [{"rounds": []}], "relay_factors": {"relay": 1.2, "relay_decode": 1.05}, "relay_tracked": True,
+             "idle_samples": [[{}]], "idle_fit": {"tau_s": 1.0, "prefill_s": 0.2, "decode_s": 0.1}}
+    merged = corun_note({"profile": profile, "setups": {"a": old, "b": rerun}})  # the base had no track_relay
+    assert "(b) x1.20 / x1.05" in merged and "(a) x1.08" not in merged
+    assert "(b) 126 / 63 ms" in merged  # 0.2 s and 0.1 s x (1 - e^-1)
+    both = corun_note({"profile": profile, "setups": {"a": old, "b": rerun}, "track_relay": True})
+    assert "(a) x1.08 / x1.03" in both and "(b) x1.20 / x1.05" in both
 
 
 def test_a_nodes_decode_counters_count_its_decode_only_steps(fp32_node):

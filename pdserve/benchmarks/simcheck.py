@@ -338,7 +338,8 @@ def main() -> None:
             point.pop("itls", None)
         res["setups"][key] = {"label": setup.label, "simulated_as": setup.simulated, "real": real, "simulated": sim,
                               "speed": speed, "drift": drift, "cost_factors": factors, "relay": relay,
-                              "relay_factors": relayed, "idle_samples": cold, "idle_fit": after_idle,
+                              "relay_factors": relayed, "relay_tracked": bool(relay and args.track_relay),
+                              "idle_samples": cold, "idle_fit": after_idle,
                               "errors": [errors(r, s) for r, s in zip(real, sim)]}
         for rate, err, point, simulated in zip(args.rates, res["setups"][key]["errors"], real, sim):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
@@ -378,7 +379,9 @@ def corun_note(res: dict) -> str:
             note += f" and a decode step x{corun['relay_decode']:.2f} (while another node computed)"
         note += (f" while other nodes had {RELAY_STREAMS} streams or more under way, in proportion below that "
                  "(the relay factors: the proxy relaying their tokens on the node's core)")
-        tracked = {k: s["relay_factors"] for k, s in res["setups"].items() if s.get("relay") and res.get("track_relay")}
+        # Per setup: a setup run again (--merge-into) says for itself (runs before relay_tracked: the run's flag).
+        tracked = {k: s["relay_factors"] for k, s in res["setups"].items()
+                   if s.get("relay_tracked", bool(s.get("relay")) and res.get("track_relay"))}
         if tracked:
             note += ("; those measured beside each setup's runs (relay_samples before and after them) replaced them: "
                      + ", ".join(f"({k}) x{f['relay']:.2f} / x{f['relay_decode']:.2f}" for k, f in tracked.items()))
