@@ -112,3 +112,40 @@ def test_each_prompt_counts_the_prompt_tokens_of_the_steps_that_prefilled_it():
     step()  # A's 8 tokens and B's first 4 (a budget of 12)
     step()  # B's last 2
     assert a.metrics.prefill_step_tokens == 12 and b.metrics.prefill_step_tokens == 12 + 2
+
+
+def test_a_stream_capped_decode_node_holds_ps_first_token_until_a_seat_waits_for_it():
+    """max_num_seqs 1: L1's and L2's loads both start (a load takes no seat), and their KV arrives
+    together. L1 is seated at the next step, so P's first token streams at once; L2 would wait for
+    L1 to finish after its first token, a gap an ITL SLO counts: its first token is held and
+    streams with the first token D computes for it, when the client's TTFT is stamped."""
+    connector = KVConnectorScheduler(KVTransferConfig(role="decode"), 4, HeldBlocks(math.inf), "D")
+    now = [0.0]
+    scheduler = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), 1, 16, True, connector=connector,
+                          clock=lambda: now[0])
+    reqs = [loaded_request("L1", 8, 3), loaded_request("L2", 8, 3)]
+    for req in reqs:
+        req.kv_transfer_params.first_token_id = 7  # P's first token (pull)
+        scheduler.add(req)
+    outputs = []
+
+    def step() -> None:
+        out = scheduler.schedule()
+        connector.build_connector_meta()
+        now[0] += 1.0
+        outputs.extend(scheduler.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled
+                                                          if s.samples}))
+
+    step()
+    assert sorted(scheduler.loading) == ["L1", "L2"] and not scheduler.running
+    arrived = scheduler.update_kv_transfers(FinishedTransfers(received=[TransferResult(r, None, "pull")
+                                                                        for r in ("L1", "L2")]))
+    assert [(o.request_id, o.new_token_ids) for o in arrived] == [("L1", [7])]
+    assert reqs[1].held_tokens == [7] and reqs[1].metrics.first_token_time == 1.0  # appended, not streamed
+    for _ in range(10):
+        step()
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("L1", [1]), ("L1", [1]), ("L2", [7, 1]),
+                                                                  ("L2", [1])]
+    assert reqs[1].metrics.first_token_time == 4.0 and reqs[1].metrics.token_times[:2] == [4.0, 4.0]
+    assert all(r.status.finished and r.output_token_ids == [7, 1, 1] for r in reqs)
+    assert scheduler.block_manager.num_free_blocks == 64

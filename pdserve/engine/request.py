@@ -81,6 +81,9 @@ class Request:
         self.kv_transfer_params_out: KVTransferParams | None = None
         self.kv_external_tokens = 0  # D: tokens being loaded from P right now
         self.error: str | None = None  # why the request failed, when it did
+        # D: P's first token, appended but not yet streamed, while no decode seat waits for it
+        # (Scheduler.update_kv_transfers): the client gets it with the first token D computes.
+        self.held_tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # of each output token, when params.logprobs asks
         self.prompt_logprobs: list[TokenLogprob | None] = []  # of each prompt token (the first: None), when asked
 

@@ -227,31 +227,45 @@ class Scheduler:
                     req.append_token(first_token, now)
                     if req.status.finished:
                         self._finish(req)
-                    outputs.append(req.output([first_token]))
-                    if req.status.finished:
+                        outputs.append(req.output([first_token]))
                         continue
+                    req.held_tokens = [first_token]  # streamed below, or with D's first token
             elif self.load_failure_policy == "fail":
                 req.error = f"KV transfer from the prefill node failed: {result.error}"
                 outputs.extend(self.abort(req.client_id))
                 continue
-            # Loaded, or recompute: continue from what is valid (the recompute prefills locally).
+            # Loaded, or recompute: continue from what is valid (the recompute prefills locally),
+            # next in line after the requests that arrived before it.
             req.kv_external_tokens = 0
             req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            place = self._behind_block_holders()
+            self.waiting.insert(place, req)
+            # P's first token streams now only if the next step seats the request: past
+            # max_num_seqs it would wait for a seat after its first token, a gap an ITL SLO counts
+            # (a stream-capped D). Held, it streams with the first token D computes: the wait
+            # counts in TTFT, as when D's own queue holds a request.
+            if req.held_tokens and len(self.running) + place < self.max_num_seqs:
+                outputs.append(req.output(req.held_tokens))
+                req.held_tokens = []
         return outputs
+
+    def _behind_block_holders(self) -> int:
+        """Where in the waiting queue a request goes that must run before new ones but after those
+        that hold their blocks already (KV loaded from P, a fork's shared prompt)."""
+        i = 0
+        while i < len(self.waiting) and any(self.waiting[i].block_tables):  # ([[]]: a failed allocation's)
+            i += 1
+        return i
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
-        # Next in line, but behind the waiting requests that hold their blocks already (KV loaded
-        # from P, a fork's shared prompt): ahead of them it would take back the blocks it just gave
-        # up and the step's budget, run out of blocks again and never let them run (livelock).
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].block_tables:
-            i += 1
-        self.waiting.insert(i, req)
+        # Next in line, but behind the waiting requests that hold their blocks already: ahead of
+        # them it would take back the blocks it just gave up and the step's budget, run out of
+        # blocks again and never let them run (livelock).
+        self.waiting.insert(self._behind_block_holders(), req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         """Advance the scheduled requests by what the model computed; finish the ones that stop."""
@@ -273,6 +287,11 @@ class Scheduler:
             req.append_token(token, now)
             if req.status.finished:
                 self._finish(req)
+            if req.held_tokens:  # P's first token, held for a seat: the client's first token is now
+                req.metrics.first_token_time = req.metrics.token_times[-2] = now
+                outputs.append(req.output(req.held_tokens + [token]))
+                req.held_tokens = []
+                continue
             outputs.append(req.output([token]))
         return outputs
 
@@ -287,7 +306,7 @@ class Scheduler:
         given to `advance_decode_steps` decide those."""
         running = self.running
         if most <= 1 or out.preempted or len(out.scheduled) != len(running) or not all(
-                is_decode(s) for s in out.scheduled):
+                is_decode(s) for s in out.scheduled) or any(r.held_tokens for r in running):
             return 1
         if any(self.block_manager.group_windows):
             return 1  # sliding groups give blocks back as their windows move: a waiting head may fit then

@@ -273,7 +273,8 @@ class SimNode:
         for output in outputs:
             job = self.jobs[output.request_id]
             if job.tokens is not None:
-                job.tokens.token(now)
+                for _ in output.new_token_ids:  # two at once: P's first token, held for a seat, and D's
+                    job.tokens.token(now)
 
     def _finish_run(self, token: int) -> None:
         if token != self.run_token:
