@@ -6,10 +6,12 @@ import math
 from typing import Callable
 
 import pytest
+from test_plan_simulator import known_profile
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.plan.idle import GAPS_S, NO_IDLE, fit_idle, measure_idle, penalty
+from pdserve.plan.profile import Profile, describe
 
 
 def pairs(excess_by_kind: dict[str, Callable[[float], float]], rounds: int = 3) -> list[dict]:
@@ -45,3 +47,22 @@ def test_measure_idle_pairs_a_warm_step_with_one_after_each_gap_on_the_real_engi
     assert all(s["warm_s"] > 0 and s["cold_s"] > 0 for s in samples)
     fit = fit_idle(samples)
     assert fit["tau_s"] > 0 and fit["prefill_s"] >= 0 and fit["decode_s"] >= 0
+
+
+def test_a_profile_keeps_its_idle_samples_and_fit_and_says_what_they_cost(tmp_path):
+    """Saved and loaded with its fit, described in ms at 0.3 / 1 / 3 s; a profile from before it
+    was measured pays nothing."""
+    samples = pairs({"prefill": lambda g: 0.2 * -math.expm1(-g), "decode": lambda g: 0.1 * -math.expm1(-g)})
+    meta = {"model": "m", "cpu": "c", "isa": "i", "threads": 1, "engine": {}}
+    profile = known_profile()
+    profile.meta.update(meta)
+    profile.samples["idle"], profile.idle = samples, {"tau_s": 1.0, "prefill_s": 0.2, "decode_s": 0.1}
+    profile.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    assert loaded.idle == profile.idle and loaded.samples["idle"] == samples
+    assert "after it idled 0.3 / 1 / 3 s pays 52 / 126 / 190 ms more (prefill), 26 / 63 / 95 ms (decode): tau 1.0 s" \
+        in describe(loaded)
+    bare = known_profile()
+    bare.meta.update(meta)
+    bare.save(tmp_path / "old.json")
+    assert Profile.load(tmp_path / "old.json").idle == NO_IDLE and "idled" not in describe(bare)

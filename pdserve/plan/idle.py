@@ -89,19 +89,19 @@ def measure_idle(engine: LLMEngine, seed: int, rounds: int = 3, gaps: tuple[floa
 def fit_idle(samples: list[dict]) -> dict:
     """tau (shared) and each kind's amplitude, least squares on the medians of each (kind, gap)'s
     excess; amplitudes below zero (no effect, noise) are zero."""
-    excess: dict[str, dict[float, float]] = {}
+    by_kind: dict[str, dict[float, float]] = {}
     for kind in ("prefill", "decode"):
         by_gap: dict[float, list[float]] = {}
         for s in samples:
             if s["kind"] == kind:
                 by_gap.setdefault(s["gap_s"], []).append(s["cold_s"] - s["warm_s"])
-        excess[kind] = {g: statistics.median(xs) for g, xs in by_gap.items()}
-    if not any(excess.values()):
+        by_kind[kind] = {g: statistics.median(xs) for g, xs in by_gap.items()}
+    if not any(by_kind.values()):
         return dict(NO_IDLE)
     best: tuple[float, dict] | None = None
     for tau in TAUS_S:
         fit, sse = {"tau_s": tau}, 0.0
-        for kind, points in excess.items():
+        for kind, points in by_kind.items():
             xs = {g: -math.expm1(-g / tau) for g in points}
             amplitude = max(0.0, sum(xs[g] * y for g, y in points.items()) / sum(x * x for x in xs.values())) \
                 if points else 0.0

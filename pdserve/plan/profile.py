@@ -466,10 +466,10 @@ def describe(profile: Profile) -> str:
         lines.append("  beside another busy core of this host: not measured (--quick; `simulate --one-host` "
                      "takes x1.00)")
     if profile.samples.get("idle"):
-        at = {g: (penalty(profile.idle, g, True) * 1e3, penalty(profile.idle, g, False) * 1e3) for g in (0.3, 1, 3)}
-        lines.append("  a node's first step after it idled 0.3 / 1 / 3 s pays "
-                     + " / ".join(f"{p:.0f}" for p, _ in at.values()) + " ms more (prefill), "
-                     + " / ".join(f"{d:.0f}" for _, d in at.values()) + f" ms (decode): tau {profile.idle['tau_s']:.1f} s")
+        def at(prefill: bool) -> str:
+            return " / ".join(f"{penalty(profile.idle, g, prefill) * 1e3:.0f}" for g in (0.3, 1, 3))
+        lines.append(f"  a node's first step after it idled 0.3 / 1 / 3 s pays {at(True)} ms more (prefill), "
+                     f"{at(False)} ms (decode): tau {profile.idle['tau_s']:.1f} s")
     lines.append(f"  e.g. prefill 2048 tokens in 2048-token chunks: {profile.prefill_time(2048, 2048) * 1e3:.0f} ms; "
                  f"decode step of 8 x 1024: {profile.decode_step_time(8, 8 * 1024) * 1e3:.1f} ms")
     return "\n".join(lines)
