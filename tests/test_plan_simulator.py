@@ -130,6 +130,11 @@ def test_simulated_nodes_count_decode_only_steps_as_the_engine_does():
     assert pull["decode_counters"]["P0"]["decode_steps"] == 0  # P only prefills
     # D: 3 steps a request (the first token is P's); P's second prefill ends after D's first request did
     assert pull["decode_counters"]["D0"]["decode_steps"] == pull["decode_counters"]["D0"]["decode_step_seqs"] == 6
+    # A step after the node idled is timed whole, its idle penalty (plan/idle.py) with it, as the engine times it.
+    cold = run("pull:1P1D", [BenchRequest([0], 100, 4)], profile=replace(known_profile(), idle=IDLE))
+    warm = run("pull:1P1D", [BenchRequest([0], 100, 4)])
+    assert cold["decode_counters"]["D0"]["decode_step_seconds"] == pytest.approx(
+        warm["decode_counters"]["D0"]["decode_step_seconds"] + IDLE["decode_s"])
 
 
 def test_new_work_cuts_a_decode_run_at_the_step_in_progress():

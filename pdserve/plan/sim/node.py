@@ -282,7 +282,7 @@ class SimNode:
         run, self.run = self.run, None
         seqs, steps = len(run.out.scheduled), run.steps
         kv_tokens = steps * run.kv_tokens + seqs * steps * (steps - 1) // 2
-        self._count_decode(steps, run.elapsed(steps), seqs * steps, kv_tokens)
+        self._count_decode(steps, run.lead + run.elapsed(steps), seqs * steps, kv_tokens)  # (its idle lead too)
         start, a, g = run.start, run.first_step, run.growth
         half = g / 2
         times = [start + j * (a + half * (j - 1)) for j in range(1, run.steps + 1)]  # DecodeRun.elapsed(j)
