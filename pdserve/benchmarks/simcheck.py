@@ -328,9 +328,9 @@ def main() -> None:
         print(f"[{key}] relay factors x{relayed['relay']:.2f} (prefill), x{relayed['relay_decode']:.2f} (decode), "
               f"{whose}", flush=True)
         after_idle = idle_now(profile, cold)
+        whose = "measured beside its runs" if cold else "the profile's"
         print(f"[{key}] a step after 1 s idle pays {penalty(after_idle, 1.0, True) * 1e3:.0f} ms more (prefill), "
-              f"{penalty(after_idle, 1.0, False) * 1e3:.0f} ms (decode), "
-              f"{'measured beside its runs' if cold else 'the profile' + chr(39) + 's'}", flush=True)
+              f"{penalty(after_idle, 1.0, False) * 1e3:.0f} ms (decode), {whose}", flush=True)
         now_profile = replace(profile.scaled(factors), corun={**profile.corun, **relayed}, idle=after_idle)
         sim = simulated_points(now_profile, key, args.rates, args.seconds_per_rate, args.min_prompts, slos,
                                args.workload)

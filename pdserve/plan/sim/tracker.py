@@ -72,10 +72,8 @@ class Tracker:
         `lead`: what the first of them paid beyond its step (its node's first step after idling,
         Costs.after_idle), a gap of its own."""
         if lead > 0:
-            self._longest(lead + first_step)
-            if self.gaps is not None:
-                self.gaps.append((lead + first_step, 0.0, 1))
-            first_step, count, self.count = first_step + growth, count - 1, self.count + 1
+            self.token(self.last + lead + first_step)
+            first_step, count = first_step + growth, count - 1
             if count == 0:
                 self.last = end
                 return
