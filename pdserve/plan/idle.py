@@ -23,6 +23,7 @@ import statistics
 import time
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.plan.measure import timed_step
 from pdserve.sampling_params import SamplingParams
 from pdserve.workload import random_prompts
 
@@ -44,11 +45,7 @@ def penalty(idle: dict, gap_s: float, prefill: bool) -> float:
 
 
 def _one_step(engine: LLMEngine) -> float:
-    start = time.perf_counter()
-    scheduled = engine.scheduler.schedule()
-    sampled = engine.model_runner.run(scheduled)
-    engine.scheduler.update_from_output(scheduled, sampled)
-    return time.perf_counter() - start
+    return timed_step(engine)[0]
 
 
 def _prefill(engine: LLMEngine, seed: int) -> float:

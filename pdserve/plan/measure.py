@@ -5,7 +5,7 @@ two processes with the real connector code: P (`python -m pdserve.plan.measure`,
 blocks) and D (the caller), over each transport, contiguous and scattered; memcpy is the same
 segments copied within one process. `one_start` times `pdserve serve` from start to healthy and,
 asked to, what serving over HTTP adds to the engine's costs (streamed probes); `pull_handoffs`, what
-a served pull pair's handoff adds to the bytes' transfer.
+a served pull pair's handoff adds to the bytes' transfer; `timed_step`, one engine step timed whole.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import httpx
 import torch
 
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv.holds import HeldBlocks
 from pdserve.kv.inbox import TransferInbox
 from pdserve.kv.pool import KVPool, copy_block_runs
@@ -32,6 +34,16 @@ from pdserve.kv.transport import NodeTransports, available
 from pdserve.procinfo import rss_mib
 from pdserve.procs import Child, ProcessGroup
 from pdserve.workload import random_prompts
+
+def timed_step(engine: LLMEngine) -> tuple[float, SchedulerOutput]:
+    """One engine step timed whole, as the engine loop runs it: schedule, forward and sample, update
+    and detokenize (the profile's prices and its idle penalty both time steps this way)."""
+    start = time.perf_counter()
+    scheduled = engine.scheduler.schedule()
+    sampled = engine.model_runner.run(scheduled)
+    engine.scheduler.update_from_output(scheduled, sampled)
+    return time.perf_counter() - start, scheduled
+
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
 # A probe's prompt and streamed output, in tokens: 6 probes x 127 gaps sample the tail of a streamed

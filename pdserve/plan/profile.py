@@ -39,7 +39,8 @@ from pdserve.kv.transport import TRANSPORTS, available
 from pdserve.plan.corun import pinned, relay_factors, relay_samples, twin_busy
 from pdserve.plan.fit import LinearFit, fit_linear
 from pdserve.plan.idle import NO_IDLE, fit_idle, measure_idle, penalty
-from pdserve.plan.measure import PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start, pull_handoffs
+from pdserve.plan.measure import (PROBE_PROMPT, PROBE_TOKENS, bench_backends, node_args, one_start, pull_handoffs,
+                                  timed_step)
 from pdserve.platform import CpuInfo
 from pdserve.proxy.costs import DECODE_BASE, decode_hinges
 from pdserve.sampling_params import SamplingParams
@@ -206,11 +207,7 @@ def _run_timed(engine: LLMEngine) -> list[tuple[float, list]]:
     is timed whole, as the engine loop runs it: schedule, forward and sample, update and detokenize."""
     steps = []
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        scheduled = engine.scheduler.schedule()
-        sampled = engine.model_runner.run(scheduled)
-        engine.scheduler.update_from_output(scheduled, sampled)
-        elapsed = time.perf_counter() - start
+        elapsed, scheduled = timed_step(engine)
         if scheduled.scheduled:
             steps.append((elapsed, [(s.num_new_tokens, s.request.num_computed_tokens - s.num_new_tokens)
                                     for s in scheduled.scheduled]))
