@@ -21,7 +21,9 @@ def test_short_soak_has_no_errors_and_frees_every_block(tmp_path, mode):
            "--settle", "0.5", "--mode", mode, "--dtype", "float32"]
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     section = "soak" if mode == "pull" else f"soak_{mode}"
-    res = json.loads((tmp_path / "docs" / "results" / f"{section}.json").read_text())
+    written = tmp_path / "docs" / "results" / f"{section}.json"
+    assert written.exists(), f"exit {run.returncode}: {run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    res = json.loads(written.read_text())
     assert res["requests"] == 40 and res["errors"] == 0, res["first_errors"]
     assert set(res["rss_start_mib"]) == {"up", "prefill", "decode", "proxy"}
     assert res["blocks_end"] == res["blocks_start"] and len(res["blocks_end"]) == 4

@@ -38,6 +38,28 @@ def process_name(pid: int) -> str:
     return "proxy" if "proxy" in args else "up"
 
 
+def cluster_processes(up_pid: int) -> dict[str, int]:
+    """`pdserve up` and the P, D and proxy processes it started; another child of it (a helper that
+    comes and goes) is none of them and would otherwise take `up`'s name."""
+    pids = {"up": up_pid}
+    for pid in children(up_pid):
+        try:
+            name = process_name(pid)
+        except FileNotFoundError:  # gone since it was listed
+            continue
+        if name != "up":
+            pids[name] = pid
+    return pids
+
+
+def rss_or_nan(pid: int) -> float:
+    """A process that died has no RSS: NaN, and the verdict's `processes_alive_at_end` says why."""
+    try:
+        return rss_mib(pid)
+    except FileNotFoundError:
+        return float("nan")
+
+
 def blocks(urls: list[str]) -> dict[str, float]:
     return {f"{url} {name}": metric_sum(url, name) for url in urls for name in BLOCK_METRICS}
 
@@ -55,18 +77,18 @@ def run(args) -> dict:
     with ProcessGroup(stop_grace_s=30) as group:
         up = group.start(up_child(("--mode", args.mode, "--dtype", args.dtype)))
         group.wait_ready([up], 300)
-        pids = {process_name(pid): pid for pid in [up.proc.pid, *children(up.proc.pid)]}
+        pids = cluster_processes(up.proc.pid)
         node_urls = [n["url"] for n in httpx.get(up.url + "/v1/nodes", timeout=10).json()["nodes"]]
         warm = random_dataset(args.warmup, 32, 4, 0.5, seed=1)
         asyncio.run(run_benchmark(up.url, warm, "completions", None, args.rate, 1.0, None, 1, show_progress=False))
         wait_idle(up.url)
-        rss_start = {name: rss_mib(pid) for name, pid in pids.items()}
+        rss_start = {name: rss_or_nan(pid) for name, pid in pids.items()}
         blocks_start = blocks(node_urls)
         requests = random_dataset(args.requests, 32, 4, 0.5, seed=2)
         results, duration = asyncio.run(run_benchmark(up.url, requests, "completions", None, args.rate, 1.0, None, 2))
         wait_idle(up.url)
         time.sleep(args.settle)
-        rss_end = {name: rss_mib(pid) for name, pid in pids.items()}
+        rss_end = {name: rss_or_nan(pid) for name, pid in pids.items()}
         blocks_end = blocks(node_urls)
         running = {name: up.proc.poll() is None if name == "up" else alive(pid) for name, pid in pids.items()}
     errors = [r.error for r in results if not r.ok]
