@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -13,7 +14,13 @@ import openai
 import pytest
 from servers import MODEL, NODE, Procs, free_port, metric, start_pdserve, wait_for_metric
 
+from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.messages import RequestOutput
+from pdserve.engine.threaded_client import ThreadedEngineClient
+from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.procinfo import alive, children
+from pdserve.sampling_params import SamplingParams
 from pdserve.procs import ProcessGroup, up_child
 
 
@@ -129,6 +136,47 @@ def test_d_decodes_from_ps_first_token_where_it_may_and_samples_it_itself_where_
         assert [c.text for c in proxy.completions.create(**ask).choices] == expected
     for name in ("p", "d_shm", "d_tcp"):
         assert wait_for_metric(cluster[name].url, "pdserve:kv_blocks_used", 0) == 0
+
+
+def test_ps_first_token_streams_as_the_kv_lands_not_after_ds_next_model_run(cluster):
+    """A pulled prompt's first token (P's) is ready the moment D's engine reads the finished pull:
+    it reaches the client then, not with the outputs of the step that follows (a decode step of
+    TTFT, idle or loaded). A D engine in this process pulls for real from the cluster's P process;
+    the order of events on its engine thread is the evidence."""
+    engine = LLMEngine(EngineConfig(dtype="float32", quantization="none", num_kv_blocks=64,
+                                    kv_transfer=KVTransferConfig(role="decode", transport="tcp")))
+    events: list[tuple[str, int]] = []
+    run = engine.model_runner.run
+
+    def spied_run(scheduled, *args, **kwargs):
+        if scheduled.scheduled:  # (a step with nothing to compute runs no model)
+            events.append(("model run", len(scheduled.scheduled)))
+        return run(scheduled, *args, **kwargs)
+
+    engine.model_runner.run = spied_run  # a spy: the real run goes on
+    d = ThreadedEngineClient(engine, on_step=lambda outputs: events.extend(
+        ("tokens out", len(out.new_token_ids)) for out in outputs if out.new_token_ids))
+    prompt_ids = engine.tokenizer.encode(PROMPTS[3])
+    answer = httpx.post(cluster["p"].url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+
+    async def decode() -> list[RequestOutput]:
+        d.start()
+        try:
+            checked = engine.check_request(prompt_ids, SamplingParams(max_tokens=3, temperature=0.0),
+                                           parse_kv_transfer_params(answer["kv_transfer_params"]))
+            return [out async for out in d.generate("R", checked)]
+        finally:
+            d.stop()
+
+    outputs = asyncio.run(decode())
+    expected = client(cluster["both"].url).completions.create(model=MODEL, prompt=prompt_ids, max_tokens=3,
+                                                              temperature=0)
+    assert engine.tokenizer.decode([t for out in outputs for t in out.new_token_ids]) == expected.choices[0].text
+    assert outputs[-1].metrics.num_remote_tokens == len(prompt_ids)  # pulled whole: P's first token given
+    # P's token out before any model run (nothing of the prompt is computed here), then D's two
+    assert events == [("tokens out", 1), ("model run", 1), ("tokens out", 1), ("model run", 1), ("tokens out", 1)]
 
 
 def test_p_advertises_the_transports_it_serves_and_nothing_of_their_own(cluster):

@@ -363,7 +363,7 @@ class LLMEngine:
         if worker is None:
             scheduled = self._schedule()
             return self.scheduler.update_from_output(scheduled, self.model_runner.run(scheduled))
-        outputs = self.scheduler.update_kv_transfers(self._checked(worker.get_finished()))
+        outputs = self.take_kv_transfers()
         scheduled = self._schedule()
         meta = self.connector.build_connector_meta(scheduled.scheduled)
         worker.start_load_kv(meta, self.connector.advertised)
@@ -372,6 +372,14 @@ class LLMEngine:
         if meta.saves:
             worker.wait_for_save(sampled)  # a finished prompt's push ends with its first token
         return outputs + self.scheduler.update_from_output(scheduled, sampled)
+
+    def take_kv_transfers(self) -> list[RequestOutput]:
+        """Apply the KV transfers that finished since the last step (P: free what D pulled; D: make
+        loaded requests runnable). Outputs: P's first tokens of prompts whose KV arrived, ready now.
+        step() does this first; a serving loop calls it before step() too, so those tokens stream
+        before the step's model run rather than after it (one step sooner: TTFT)."""
+        worker = self.connector_worker
+        return [] if worker is None else self.scheduler.update_kv_transfers(self._checked(worker.get_finished()))
 
     def _checked(self, finished: FinishedTransfers) -> FinishedTransfers:
         """A pushed first token outside this model's vocabulary is dropped: D computes its own."""

@@ -143,15 +143,12 @@ class ThreadedEngineClient(EngineClient):
                 if not self._drain_commands(wait):
                     break
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    # Stats and metrics before the outputs: a client that has its answer sees its effect
-                    self._stats = self.engine.stats()
-                    if self.on_step is not None:
-                        self.on_step(outputs)
-                    for out in outputs:
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream.put(out)
+                    # P's first token of a prompt whose KV just arrived streams now, not after the
+                    # model run of the step that follows (a decode step of TTFT, idle or not)
+                    arrived = self.engine.take_kv_transfers()
+                    if arrived:
+                        self._publish(arrived)
+                    self._publish(self.engine.step())
         except BaseException as exc:  # the engine is broken: fail every waiting request
             logger.exception("engine loop died")
             self._error = exc
@@ -160,6 +157,16 @@ class ThreadedEngineClient(EngineClient):
         finally:
             self.engine.abort_all()
             self.engine.close()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        # Stats and metrics before the outputs: a client that has its answer sees its effect
+        self._stats = self.engine.stats()
+        if self.on_step is not None:
+            self.on_step(outputs)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
 
     def _drain_commands(self, wait: float) -> bool:
         """Apply queued adds and aborts, waiting up to `wait` s for the first; False once asked to stop."""
