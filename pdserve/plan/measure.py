@@ -35,6 +35,7 @@ from pdserve.procinfo import rss_mib
 from pdserve.procs import Child, ProcessGroup
 from pdserve.workload import random_prompts
 
+
 def timed_step(engine: LLMEngine) -> tuple[float, SchedulerOutput]:
     """One engine step timed whole, as the engine loop runs it: schedule, forward and sample, update
     and detokenize (the profile's prices and its idle penalty both time steps this way)."""
