@@ -20,8 +20,8 @@ from pdserve.engine.messages import RequestOutput
 from pdserve.engine.threaded_client import ThreadedEngineClient
 from pdserve.kv.params import parse as parse_kv_transfer_params
 from pdserve.procinfo import alive, children
-from pdserve.sampling_params import SamplingParams
 from pdserve.procs import ProcessGroup, up_child
+from pdserve.sampling_params import SamplingParams
 
 
 def long_text() -> str:
