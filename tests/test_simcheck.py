@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
-from pdserve.benchmarks.simcheck import corun_note, errors, idle_level, idle_now, relay_now, within_targets
+from pdserve.benchmarks.simcheck import corun_note, errors, idle_level, idle_now, paired, relay_now, within_targets
 from pdserve.plan.corun import decode_steps, timed_beside
 from pdserve.procinfo import cpu_seconds, descendants
 
@@ -31,6 +32,28 @@ def test_errors_are_relative_and_attainment_in_points():
     assert within_targets(errors(REAL, REAL | {"median_tpot_ms": 27.5, "p99_ttft_ms": 5900.0}))  # p99s within 20 %
     assert not within_targets(errors(REAL, REAL | {"p99_ttft_ms": 6100.0}))  # +22 %
     assert not within_targets(errors(REAL, REAL | {"request_throughput": 0.44}))  # -12 %
+
+
+def test_paired_ratios_read_each_request_real_over_simulated_and_only_where_the_requests_pair():
+    """Each request's TTFT and TPOT ratio, real over simulated. A mixture's median sits at the edge
+    of its modes: one request of the fast mode run slow moves it +100 %, the requests' median ratio
+    not at all."""
+    fast, slow = [0.100] * 5, [0.200] * 4
+    real = {"input_lens": [576] * 5 + [704] * 4, "output_lens": [11] * 9, "ttfts": fast + slow}
+    sim = {**real, "ttfts": [0.099] * 5 + [0.198] * 4}
+    real["e2els"] = [t + 10 * 0.020 for t in real["ttfts"]]  # TPOT 20 ms real, 25 simulated
+    sim["e2els"] = [t + 10 * 0.025 for t in sim["ttfts"]]
+    ratios = paired(real, sim)
+    assert ratios["ttft_p50"] == pytest.approx(1.0101, abs=1e-3) and ratios["tpot_p50"] == pytest.approx(0.8)
+    assert ratios["ttft_p10"] <= ratios["ttft_p50"] <= ratios["ttft_p90"]
+    shifted = {**real, "ttfts": fast[:4] + [0.200] + slow}  # one request of the fast mode runs slow
+    assert statistics.median(shifted["ttfts"]) == pytest.approx(0.200)  # the median jumps +100 %
+    assert paired(shifted, real)["ttft_p50"] == pytest.approx(1.0)
+    assert paired(real, {**sim, "input_lens": [576] * 5 + [800] * 4}) is None  # other prompts: no pairs
+    assert paired(real, {**sim, "input_lens": sim["input_lens"][:8]}) is None
+    retokenized = {**sim, "input_lens": [575] * 5 + [710] * 4}  # multiturn's real history, a few tokens off
+    assert paired(real, retokenized)["ttft_p50"] == pytest.approx(ratios["ttft_p50"])
+    assert paired({"ttfts": []}, sim) is None
 
 
 def test_an_idle_node_sets_the_level_of_the_profiles_costs():

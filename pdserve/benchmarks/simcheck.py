@@ -79,6 +79,41 @@ def errors(real: dict, simulated: dict) -> dict[str, float]:
     return out
 
 
+def paired(real: dict, simulated: dict) -> dict[str, float] | None:
+    """Request by request, real over simulated (both ran the same seeded requests, in the same order):
+    the p10 / p50 / p90 of each request's TTFT ratio and of its TPOT ratio (answers of 2 tokens or
+    more). None where the requests do not pair: another count, or a prompt more than 10 % longer or
+    shorter (multiturn's real history is the answers' text tokenized again, a few tokens off). A median of a
+    mixture sits between its modes (multiturn's first turns against its later ones), so a shift of a
+    few requests moves it by tens of percent while each request is priced right: this says which."""
+    lens, other = real.get("input_lens") or [], simulated.get("input_lens") or []
+    if not lens or len(lens) != len(other) or any(abs(a - b) > 0.10 * b for a, b in zip(lens, other)) \
+            or real.get("output_lens") != simulated.get("output_lens"):
+        return None
+
+    def tpot(point: dict, i: int) -> float:
+        return (point["e2els"][i] - point["ttfts"][i]) / (point["output_lens"][i] - 1)
+
+    ttft = [r / s for r, s in zip(real["ttfts"], simulated["ttfts"]) if s > 0]
+    tpots = [tpot(real, i) / tpot(simulated, i) for i, n in enumerate(real["output_lens"])
+             if n > 1 and tpot(simulated, i) > 0]
+    out = {}
+    for name, ratios in (("ttft", ttft), ("tpot", tpots)):
+        if len(ratios) >= 2:
+            deciles = statistics.quantiles(ratios, n=10)
+            out |= {f"{name}_p10": deciles[0], f"{name}_p50": statistics.median(ratios), f"{name}_p90": deciles[-1]}
+    return out or None
+
+
+def paired_line(ratios: dict[str, float]) -> str:
+    def one(name: str) -> str:
+        p10, p50, p90 = (ratios[f"{name}_{q}"] for q in ("p10", "p50", "p90"))
+        return f"{name.upper()} x{p50:.2f} (p10 x{p10:.2f}, p90 x{p90:.2f})"
+
+    return "request by request, real / simulated: " + ", ".join(
+        one(name) for name in ("ttft", "tpot") if f"{name}_p50" in ratios)
+
+
 def within_targets(err: dict[str, float]) -> bool:
     """Issue 36's: medians and throughput within 10 %, p99s within 20 %, attainment within 10 points."""
     return (all(abs(err[key]) <= 0.10 for key in MEDIANS) and all(abs(err[key]) <= 0.20 for key in P99S)
@@ -340,7 +375,8 @@ def main() -> None:
                               "speed": speed, "drift": drift, "cost_factors": factors, "relay": relay,
                               "relay_factors": relayed, "relay_tracked": bool(relay and args.track_relay),
                               "idle_samples": cold, "idle_fit": after_idle,
-                              "errors": [errors(r, s) for r, s in zip(real, sim)]}
+                              "errors": [errors(r, s) for r, s in zip(real, sim)],
+                              "paired": [paired(r, s) for r, s in zip(real, sim)]}
         for rate, err, point, simulated in zip(args.rates, res["setups"][key]["errors"], real, sim):
             print(f"[{key}] rate {rate}: " + ", ".join(f"{k} {v * 100:+.0f} %" for k, v in err.items() if k in RELATIVE)
                   + f", attainment {err['slo_attainment_points']:+.0f} points", flush=True)
@@ -353,6 +389,8 @@ def main() -> None:
                     simulated["decode_counters"])
                 print(f"[{key}] rate {rate}: {host_load.steps_line(steps, sim_steps)}", flush=True)
             print(f"[{key}] rate {rate}: {stages_line(point, simulated)}", flush=True)
+            if ratios := paired(point, simulated):
+                print(f"[{key}] rate {rate}: {paired_line(ratios)}", flush=True)
     if engine:
         engine.close()
     if base:  # the setups run again replace theirs; the rest stay as that run measured them
