@@ -15,7 +15,8 @@ import pytest
 from test_plan_simulator import known_profile
 
 from pdserve.benchmarks.host_load import against_profile, decode_counters
-from pdserve.benchmarks.simcheck import corun_note, errors, idle_level, idle_now, paired, relay_now, within_targets
+from pdserve.benchmarks.simcheck import (corun_note, errors, idle_level, idle_now, paired, paired_note, relay_now,
+                                         within_targets)
 from pdserve.plan.corun import decode_steps, timed_beside
 from pdserve.procinfo import cpu_seconds, descendants
 
@@ -54,6 +55,14 @@ def test_paired_ratios_read_each_request_real_over_simulated_and_only_where_the_
     retokenized = {**sim, "input_lens": [575] * 5 + [710] * 4}  # multiturn's real history, a few tokens off
     assert paired(real, retokenized)["ttft_p50"] == pytest.approx(ratios["ttft_p50"])
     assert paired({"ttfts": []}, sim) is None
+
+
+def test_the_docs_note_lists_each_setups_paired_medians_and_nothing_for_older_runs():
+    res = {"setups": {"a": {"paired": [{"ttft_p50": 1.0, "tpot_p50": 1.013}, None, {"ttft_p50": 0.97}]},
+                      "c": {"errors": []}}}  # (c) recorded before paired was
+    note = paired_note(res)
+    assert note.endswith("(a) x1.00 / x1.01, -, x0.97.") and "(c)" not in note
+    assert paired_note({"setups": {"c": {"paired": [None, None]}}}) == ""
 
 
 def test_an_idle_node_sets_the_level_of_the_profiles_costs():

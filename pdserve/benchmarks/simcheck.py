@@ -435,6 +435,23 @@ def corun_note(res: dict) -> str:
     return note
 
 
+def paired_note(res: dict) -> str:
+    """The median over requests of each one's TTFT and TPOT ratio, real / simulated, per setup and
+    rate (paired); "" for runs recorded before it was."""
+    def cell(ratios: dict | None) -> str:
+        if not ratios or "ttft_p50" not in ratios:
+            return "-"
+        return f"x{ratios['ttft_p50']:.2f}" + (f" / x{ratios['tpot_p50']:.2f}" if "tpot_p50" in ratios else "")
+
+    setups = {k: s["paired"] for k, s in res["setups"].items() if any(s.get("paired") or [])}
+    if not setups:
+        return ""
+    return ("\n\nRequest by request (each real request against its simulated twin), the median of real / "
+            "simulated TTFT / TPOT at each rate (a median of TTFTs can sit between a mixture's modes, where a "
+            "few requests move it by 10 % or more): "
+            + "; ".join(f"({k}) " + ", ".join(cell(r) for r in ratios) for k, ratios in setups.items()) + ".")
+
+
 def finish(res: dict, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -454,8 +471,9 @@ def finish(res: dict, args) -> None:
             f"{table(res)}\n\nCost factors (prefill, decode) per setup, idle level x drift: "
             + ", ".join(f"({k}) x{v['cost_factors']['prefill']:.2f} / x{v['cost_factors']['decode']:.2f}"
                         for k, v in res["setups"].items())
-            + corun_note(res)
-            + ".\n\nWhere the time went, real / simulated: medians of the stages the proxy's x-pdserve-*-ms "
+            + corun_note(res) + "."
+            + paired_note(res)
+            + "\n\nWhere the time went, real / simulated: medians of the stages the proxy's x-pdserve-*-ms "
             "headers split TTFT into (the rest: the hops to the answering node, its wait for a step to end, the "
             "stream; P's and D's engines' own times, where recorded, tell the nodes' HTTP and the proxy's hops "
             "from the engines), and each point's decode-only steps as the nodes count them (pdserve:decode_steps).\n\n"
